@@ -1,0 +1,28 @@
+# A few-million-parameter GLM-5 that trains on a 2-core laptop CPU: every part of the architecture is
+# present (MLA with a latent, DSA with index_topk well below the sequence length, 1 dense + 3 MoE layers
+# with 16 routed experts and a shared one, an MTP block), only smaller.
+vocab_size = 4096
+hidden_size = 128
+intermediate_size = 384
+moe_intermediate_size = 64
+num_hidden_layers = 4
+first_k_dense_replace = 1
+num_attention_heads = 4
+num_key_value_heads = 4
+q_lora_rank = 64
+kv_lora_rank = 32
+qk_nope_head_dim = 32
+qk_rope_head_dim = 16
+v_head_dim = 32
+n_routed_experts = 16
+n_shared_experts = 1
+num_experts_per_tok = 2
+routed_scaling_factor = 2.5
+rope_theta = 1e4
+max_position_embeddings = 4096
+index_topk = 64        # a quarter of block_size: sparse attention really drops tokens
+index_n_heads = 4
+index_head_dim = 32
+num_nextn_predict_layers = 1
+num_mtp_steps = 3
+block_size = 256       # training sequence length (train.py)

@@ -1,0 +1,141 @@
+"""
+DeepSeek Sparse Attention (DSA) as GLM-5 uses it (GLM-5 report, section 2 "DSA"; DeepSeek-V3.2 report;
+SPEC section 4): the lightning indexer, deterministic top-k selection, sparse attention over the selected
+latents, and the two indexer KL losses (dense warm-up and sparse stage).
+
+    I[t, s] = sum_j w[t, j] * ReLU(q[t, j] . k[s] * 128^-0.5)           (index score, fp32)
+    selected(t) = top-k_s I[t, s]  over visible s,  k = min(index_topk, visible)
+    attention(t) = MLA restricted to selected(t)
+
+model.py calls into this file from its attention layer; nothing here knows about the rest of the model.
+The switch `IMPL` chooses how sparse attention runs:
+    "gather"  reads only the selected latents (B, T, K, 576): the real sparse computation
+    "masked"  runs dense attention with everything but the selection masked to -inf: the reference
+kernels.py plugs a Triton implementation in behind the same switch later.
+
+Honest limits: these are plain torch reference paths. The score matrix I is materialised as (B, T, S)
+and the gather as (B, T, K, 576), so memory grows with T*S and T*K; long-context speed comes from the
+kernels, not from this file. Run its tests with `python -m pytest tests/test_dsa.py`.
+"""
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+IMPL = "gather"  # "gather" (sparse, reads only the selected latents) | "masked" (dense-masked reference)
+
+
+def upcast(t):
+    """Scores, softmax and norms run in fp32 at least (fp64 stays fp64, for exact reference tests)."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+# -----------------------------------------------------------------------------
+# The lightning indexer (checkpoint names: wq_b, wk, k_norm, weights_proj)
+
+
+class Indexer(nn.Module):
+    """Scores every visible key for every query with a few cheap ReLU heads and one shared 128-d key.
+
+    q = wq_b(q_lat) as index_n_heads x index_head_dim (q_lat: MLA's normalised query latent);
+    k = LayerNorm(wk(x)), one key per token shared by all index heads (this is what the cache stores);
+    RoPE on the first qk_rope_head_dim dims of q and k; w = weights_proj(x) * n_heads^-0.5 in fp32.
+    """
+
+    def __init__(self, hidden_size, q_lora_rank, index_n_heads, index_head_dim, rope_dim):
+        super().__init__()
+        self.n_heads, self.head_dim, self.rope_dim = index_n_heads, index_head_dim, rope_dim
+        self.wq_b = nn.Linear(q_lora_rank, index_n_heads * index_head_dim, bias=False)
+        self.wk = nn.Linear(hidden_size, index_head_dim, bias=False)
+        self.k_norm = nn.LayerNorm(index_head_dim, eps=1e-6)  # LayerNorm with weight and bias (SPEC 2)
+        self.weights_proj = nn.Linear(hidden_size, index_n_heads, bias=False)
+        self.softmax_scale = index_head_dim ** -0.5
+
+    def _rope_first(self, t, rope):
+        # RoPE on the first rope_dim dims only; the rest passes through
+        t_pe, t_nope = t.split([self.rope_dim, self.head_dim - self.rope_dim], dim=-1)
+        return torch.cat([rope(t_pe), t_nope], dim=-1)
+
+    def forward(self, x, q_lat, rope):
+        """x (B, T, D), q_lat (B, T, q_lora_rank), rope: a function applying this batch's RoPE.
+        Returns q (B, T, Hi, Di), k (B, T, Di) and w (B, T, Hi) in fp32."""
+        B, T, _ = x.shape
+        q = self.wq_b(q_lat).view(B, T, self.n_heads, self.head_dim)
+        q = self._rope_first(q, rope)
+        k = self._rope_first(self.k_norm(self.wk(x)).unsqueeze(2), rope).squeeze(2)  # (B, T, Di)
+        w = upcast(self.weights_proj(x)) * self.n_heads ** -0.5  # (B, T, Hi)
+        return upcast(q), k, w
+
+    def score(self, q, w, k_all):
+        """q (B, T, Hi, Di), w (B, T, Hi), k_all (B, S, Di) -> I (B, T, S) in fp32."""
+        dots = torch.einsum("bthd,bsd->bths", q, upcast(k_all).to(q.dtype)) * self.softmax_scale  # (B, T, Hi, S)
+        return torch.einsum("bths,bth->bts", F.relu(dots), w)
+
+
+# -----------------------------------------------------------------------------
+# Selection
+
+
+def topk_select(index_scores, visible, k):
+    """Deterministic top-k of I[t, :] over visible keys only (the causal/padding mask is applied first).
+
+    index_scores (B, T, S) fp32, visible (B, T, S) or broadcastable bool, k = min(index_topk, S).
+    Returns idx (B, T, k) long and valid (B, T, k) bool; rows with fewer than k visible keys get
+    invalid tail entries, so the effective k is min(index_topk, visible tokens) per row.
+    Ties break toward the lower index (stable sort), so the same scores always give the same set:
+    the report found non-deterministic top-k collapsed RL.
+    """
+    visible = visible.expand_as(index_scores)
+    masked = index_scores.masked_fill(~visible, float("-inf"))
+    idx = torch.sort(masked, dim=-1, descending=True, stable=True).indices[..., :k]  # (B, T, k)
+    return idx, visible.gather(-1, idx)
+
+
+def selection_mask(idx, valid, S):
+    """Scatter a selection back to a dense (B, T, S) bool mask (for the masked reference path)."""
+    mask = torch.zeros(*idx.shape[:-1], S, dtype=torch.bool, device=idx.device)
+    return mask.scatter_(-1, idx, valid)
+
+
+# -----------------------------------------------------------------------------
+# Sparse MLA over the selected latents (absorbed / MQA form, prefill and decode alike)
+
+
+def sparse_mla(q_abs, q_pe, latent, idx, valid, softmax_scale):
+    """Attention of each query over only its selected cached latents.
+
+    q_abs (B, T, H, C): query with W_UK folded in (C = kv_lora_rank);  q_pe (B, T, H, R) roped;
+    latent (B, S, C + R): [c_kv | k_pe] per token;  idx, valid (B, T, K).
+    Returns o_lat (B, T, H, C) (W_UV is folded in by the caller) and probs (B, T, H, K) fp32.
+    """
+    B, T, H, C = q_abs.shape
+    sel = latent[torch.arange(B, device=idx.device)[:, None, None], idx]  # (B, T, K, C + R)
+    c_sel, pe_sel = sel.split([C, sel.shape[-1] - C], dim=-1)
+    scores = torch.einsum("bthc,btkc->bthk", q_abs, c_sel) + torch.einsum("bthr,btkr->bthk", q_pe, pe_sel)
+    scores = (upcast(scores) * softmax_scale).masked_fill(~valid[:, :, None, :], float("-inf"))
+    probs = scores.softmax(dim=-1)  # (B, T, H, K)
+    o_lat = torch.einsum("bthk,btkc->bthc", probs.to(c_sel.dtype), c_sel)
+    return o_lat, probs
+
+
+# -----------------------------------------------------------------------------
+# Indexer training losses (SPEC 4). The target is the main attention's distribution, summed over heads
+# and L1-normalised, always detached; the caller detaches the indexer's inputs in the sparse stage.
+
+
+def attention_target(probs, head_dim):
+    """probs: main attention probabilities with a head axis at `head_dim` -> p (…, keys) summing to 1."""
+    p = upcast(probs.detach()).sum(dim=head_dim)
+    return p / p.sum(dim=-1, keepdim=True).clamp_min(1e-12)
+
+
+def indexer_kl(p, index_scores, mask):
+    """Mean over query tokens of KL(p || softmax(I)) over the keys where mask is True.
+
+    Dense warm-up: keys = all visible tokens (mask = causal), p from dense attention.
+    Sparse stage:  keys = the selected set (mask = valid selection), p from sparse attention.
+    p, index_scores, mask: (B, T, N) with N = S or K.
+    """
+    log_q = upcast(index_scores).masked_fill(~mask, float("-inf")).log_softmax(dim=-1)
+    p = p.masked_fill(~mask, 0.0)
+    kl = torch.where(mask, torch.xlogy(p, p) - p * log_q.masked_fill(~mask, 0.0), 0.0)
+    return kl.sum(dim=-1).mean()

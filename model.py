@@ -1,0 +1,730 @@
+"""
+GLM-5, the model (GLM-5 report section 2; SPEC sections 1-6), in one file:
+
+    embed -> 78 x [RMSNorm -> MLA (+ DSA indexer) -> RMSNorm -> dense SwiGLU (layers 0-2) | MoE (3-77)]
+          -> RMSNorm -> lm_head                       + one MTP block applied 3 times with shared weights
+
+- MLA with both forms: the "naive" MHA form (expand c_kv with kv_b_proj; training and prefill) and the
+  "absorbed" MQA form (fold W_UK into the query and W_UV into the output; decode over a latent cache).
+- DeepSeek Sparse Attention wired in from dsa.py (the indexer, top-k selection, sparse attention, KL).
+- MoE: fp32 sigmoid router, e_score_correction_bias for selection only, normalised top-k weights
+  x routed_scaling_factor, one shared expert, experts run batched per expert; the aux-loss-free bias
+  update and the sequence-level balance loss as functions training calls.
+- MTP: enorm/hnorm/eh_proj -> a full decoder layer -> shared_head.norm -> the shared lm_head.
+- Incremental decoding over a cache holding only [c_kv | k_pe] (512 + 64 values) and the 128-d
+  indexer key per token per layer.
+- The public checkpoint format: config.json + sharded safetensors (weights.py), names as released.
+
+Run it:
+    python model.py configs/toy.py     # build, forward, backward, parameter table (seconds on a CPU)
+    python model.py configs/full.py    # the 744B parameter table, instantly, on the meta device
+Honest limits: attention here is plain torch (SDPA for the dense path); the long-context speed of DSA
+and fast MoE come from kernels.py. The KV cache is one contiguous block per layer, not paged.
+"""
+
+import dataclasses
+import json
+import math
+import os
+import sys
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import dsa
+import weights
+from dsa import upcast
+
+# -----------------------------------------------------------------------------
+# Config: field names follow the published config.json (model_type "glm_moe_dsa")
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 154880
+    hidden_size: int = 6144
+    intermediate_size: int = 12288  # dense SwiGLU layers
+    moe_intermediate_size: int = 2048  # each routed and shared expert
+    num_hidden_layers: int = 78
+    num_attention_heads: int = 64
+    num_key_value_heads: int = 64  # MLA: every head has its own k/v after kv_b_proj
+    q_lora_rank: int = 2048
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 192
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 256
+    n_routed_experts: int = 256
+    n_shared_experts: int = 1
+    num_experts_per_tok: int = 8
+    routed_scaling_factor: float = 2.5
+    norm_topk_prob: bool = True
+    n_group: int = 1
+    topk_group: int = 1
+    first_k_dense_replace: int = 3
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 1e6  # config.json: rope_parameters.rope_theta (older files: top-level rope_theta)
+    max_position_embeddings: int = 202752
+    index_topk: int = 2048
+    index_n_heads: int = 32
+    index_head_dim: int = 128
+    num_nextn_predict_layers: int = 1  # MTP blocks stored in the checkpoint (0: none)
+    initializer_range: float = 0.02
+    tie_word_embeddings: bool = False
+    eos_token_id: list = field(default_factory=lambda: [154820, 154827, 154829])
+    # --- nanoGLM knobs, not in the published config.json ---
+    num_mtp_steps: int = 3  # times the MTP block is applied in training (shared weights)
+    dsa_mode: str = "sparse"  # "sparse": DSA top-k attention; "dense": full causal attention (pretraining)
+
+    def __post_init__(self):
+        def need(ok, msg):
+            if not ok:
+                raise ValueError(f"ModelConfig: {msg}")
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.type is int:
+                need(isinstance(v, int) and not isinstance(v, bool), f"{f.name} must be an int, got {v!r}")
+            if f.type is int and f.name not in ("first_k_dense_replace", "num_nextn_predict_layers", "num_mtp_steps"):
+                need(v > 0, f"{f.name} must be positive, got {v}")
+        need(self.first_k_dense_replace >= 0 and self.num_nextn_predict_layers >= 0 and self.num_mtp_steps >= 0,
+             "first_k_dense_replace, num_nextn_predict_layers and num_mtp_steps must be >= 0")
+        need(self.first_k_dense_replace <= self.num_hidden_layers,
+             f"first_k_dense_replace ({self.first_k_dense_replace}) exceeds num_hidden_layers ({self.num_hidden_layers})")
+        need(self.num_key_value_heads == self.num_attention_heads,
+             "MLA needs num_key_value_heads == num_attention_heads (each head gets its own k/v from kv_b_proj)")
+        need(self.qk_rope_head_dim % 2 == 0, f"qk_rope_head_dim must be even for RoPE pairs, got {self.qk_rope_head_dim}")
+        need(self.index_head_dim >= self.qk_rope_head_dim,
+             f"index_head_dim ({self.index_head_dim}) must be >= qk_rope_head_dim ({self.qk_rope_head_dim}): the indexer ropes its first qk_rope_head_dim dims")
+        need(self.num_experts_per_tok <= self.n_routed_experts,
+             f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds n_routed_experts ({self.n_routed_experts})")
+        need(self.n_group == 1 and self.topk_group == 1, "group-limited routing (n_group/topk_group > 1) is not used by GLM-5 and not implemented; set both to 1")
+        need(self.rms_norm_eps > 0 and self.rope_theta > 0 and self.routed_scaling_factor > 0,
+             "rms_norm_eps, rope_theta and routed_scaling_factor must be positive")
+        need(not self.tie_word_embeddings, "GLM-5 does not tie embeddings; set tie_word_embeddings = False")
+        need(self.dsa_mode in ("sparse", "dense"), f"dsa_mode must be 'sparse' or 'dense', got {self.dsa_mode!r}")
+
+    @property
+    def qk_head_dim(self):
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    # keys a published config.json may hold whose value we must check rather than ignore
+    REQUIRED_VALUES = {"scoring_func": "sigmoid", "topk_method": "noaux_tc", "hidden_act": "silu",
+                       "moe_layer_freq": 1, "attention_bias": False}
+
+    @classmethod
+    def from_dict(cls, d, source="config"):
+        """Build from a published config.json dict: RoPE from rope_parameters, unsupported values rejected,
+        bookkeeping keys (architectures, dtype, transformers_version, ...) ignored."""
+        d = dict(d)
+        for k, want in cls.REQUIRED_VALUES.items():
+            if k in d and d[k] != want:
+                raise ValueError(f"{source}: {k} = {d[k]!r} is not supported (GLM-5 uses {want!r})")
+        rope = d.pop("rope_parameters", None) or d.pop("rope_scaling", None)
+        if rope:
+            if rope.get("rope_type", "default") != "default":
+                raise ValueError(f"{source}: rope_type {rope.get('rope_type')!r} is not supported; GLM-5 uses plain RoPE ('default', no YaRN)")
+            d.setdefault("rope_theta", rope.get("rope_theta", d.get("rope_theta")))
+        if d.get("q_lora_rank", 1) is None:
+            raise ValueError(f"{source}: q_lora_rank is null (no query compression); GLM-5 compresses queries, give q_lora_rank")
+        if isinstance(d.get("eos_token_id"), int):
+            d["eos_token_id"] = [d["eos_token_id"]]
+        names = {f.name for f in dataclasses.fields(cls)}
+        kw = {k: v for k, v in d.items() if k in names}
+        if isinstance(kw.get("rope_theta"), int):
+            kw["rope_theta"] = float(kw["rope_theta"])
+        return cls(**kw)
+
+    def to_dict(self):
+        d = dataclasses.asdict(self)
+        d["rope_parameters"] = {"rope_theta": d.pop("rope_theta"), "rope_type": "default"}
+        return {"architectures": ["GlmMoeDsaForCausalLM"], "model_type": "glm_moe_dsa", **self.REQUIRED_VALUES, **d}
+
+
+# -----------------------------------------------------------------------------
+# Linear, norms and RoPE
+
+
+class Linear(nn.Linear):
+    """nn.Linear minus its own initialisation: GLM5.init_weights initialises every weight in one place
+    (and building the 744B model on the meta device stays fast)."""
+
+    def reset_parameters(self):
+        pass
+
+
+MLA_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the RMSNorm default, not rms_norm_eps (as released)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        # normalise in fp32, cast back, then scale (the released implementation's order)
+        xf = upcast(x)
+        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
+def rope_cos_sin(positions, dim, theta, dtype=torch.float32):
+    """positions (B, T) long -> cos, sin (B, T, dim/2) for pair i at frequency theta^(-2i/dim), in fp32
+    as released (fp64 only for float64 reference runs)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, device=positions.device).to(dtype) / dim))
+    angles = positions.to(dtype)[..., None] * inv_freq
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x, cos, sin):
+    """Interleaved RoPE: rotate adjacent pairs (x[2i], x[2i+1]) by angle i (GPT-J layout, as GLM-5).
+    x (B, T, ..., dim); cos/sin (B, T, dim/2) broadcast over the middle axes."""
+    shape = (cos.shape[0], cos.shape[1]) + (1,) * (x.dim() - 3) + (cos.shape[-1],)
+    cos, sin = cos.view(shape), sin.view(shape)
+    x1, x2 = x.to(cos.dtype).unflatten(-1, (-1, 2)).unbind(-1)
+    out = torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2)
+    return out.to(x.dtype)
+
+
+# -----------------------------------------------------------------------------
+# MLA: multi-head latent attention with the DSA indexer
+
+
+class MLA(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.cfg = cfg
+        H, D = cfg.num_attention_heads, cfg.hidden_size
+        self.q_a_proj = Linear(D, cfg.q_lora_rank, bias=False)
+        self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, MLA_NORM_EPS)
+        self.q_b_proj = Linear(cfg.q_lora_rank, H * cfg.qk_head_dim, bias=False)  # per head [nope | rope]
+        self.kv_a_proj_with_mqa = Linear(D, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=False)  # [c_kv | k_pe]
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, MLA_NORM_EPS)
+        self.kv_b_proj = Linear(cfg.kv_lora_rank, H * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)  # per head [k_nope | v]
+        self.o_proj = Linear(H * cfg.v_head_dim, D, bias=False)
+        self.indexer = dsa.Indexer(D, cfg.q_lora_rank, cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim)
+        self.softmax_scale = cfg.qk_head_dim ** -0.5  # 256^-0.5, no YaRN
+
+    def w_uk_uv(self):
+        """kv_b_proj split per head: W_UK (H, nope, C) and W_UV (H, v, C), used by the absorbed form."""
+        c = self.cfg
+        w = self.kv_b_proj.weight.view(c.num_attention_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
+        return w.split([c.qk_nope_head_dim, c.v_head_dim], dim=1)
+
+    def forward(self, x, cos, sin, positions, cache=None, layer_id=0, form=None, aux=None):
+        """x (B, T, D); positions (B, T). With a cache, this step's latents are written at `positions`
+        and attention runs over everything cached so far. form: "naive" | "absorb" (default: naive
+        without a cache, absorbed with one). aux: a dict collecting the indexer KL when training the indexer."""
+        c = self.cfg
+        B, T, _ = x.shape
+        H, C, R = c.num_attention_heads, c.kv_lora_rank, c.qk_rope_head_dim
+        rope = lambda t: apply_rope(t, cos, sin)
+        want_kl = aux is not None and "indexer_kl" in aux
+
+        # queries: q_lat = RMSNorm(q_a_proj(x)); q = q_b_proj(q_lat) per head [nope | rope]
+        q_lat = self.q_a_layernorm(self.q_a_proj(x))  # (B, T, q_lora_rank)
+        q = self.q_b_proj(q_lat).view(B, T, H, c.qk_head_dim)
+        q_nope, q_pe = q.split([c.qk_nope_head_dim, R], dim=-1)
+        q_pe = rope(q_pe)  # (B, T, H, R)
+        # the latent: [c_kv | k_pe], one per token, shared by all heads; this is all the cache holds
+        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([C, R], dim=-1)
+        latent = torch.cat([self.kv_a_layernorm(c_kv), rope(k_pe)], dim=-1)  # (B, T, C + R)
+
+        # the indexer; in the KL stages its inputs are detached so only its own loss trains it
+        sparse = c.dsa_mode == "sparse"
+        iq = iw = index_k = None
+        if sparse or want_kl or cache is not None:
+            ix, iqlat = (x.detach(), q_lat.detach()) if want_kl else (x, q_lat)
+            iq, index_k, iw = self.indexer(ix, iqlat, rope)  # (B,T,Hi,Di), (B,T,Di), (B,T,Hi)
+
+        if cache is not None:
+            cache.write(layer_id, positions, latent, index_k)
+            S = int(positions.max()) + 1
+            latent_all, index_k_all = cache.kv[layer_id][:B, :S], cache.index_k[layer_id][:B, :S]
+            visible = torch.arange(S, device=x.device) <= positions[..., None]  # (B, T, S)
+        else:
+            S, latent_all, index_k_all = T, latent, index_k
+            visible = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()[None]  # (1, T, T)
+
+        # DSA: with no more visible tokens than index_topk, top-k keeps them all and sparse == dense
+        index_scores = iq is not None and (want_kl or (sparse and S > c.index_topk))
+        I = self.indexer.score(iq, iw, index_k_all) if index_scores else None  # (B, T, S)
+        use_selection = sparse and S > c.index_topk
+        form = form or ("absorb" if cache is not None else "naive")
+        need_probs = want_kl
+
+        if use_selection and dsa.IMPL == "gather":
+            idx, valid = dsa.topk_select(I, visible, c.index_topk)  # (B, T, K)
+            w_uk, w_uv = self.w_uk_uv()
+            q_abs = torch.einsum("bthd,hdc->bthc", q_nope, w_uk)  # (B, T, H, C)
+            o_lat, probs = dsa.sparse_mla(q_abs, q_pe, latent_all, idx, valid, self.softmax_scale)
+            o = torch.einsum("bthc,hvc->bthv", o_lat, w_uv)  # (B, T, H, v)
+            if want_kl:
+                aux["indexer_kl"].append(dsa.indexer_kl(dsa.attention_target(probs, 2), I.gather(-1, idx), valid))
+        else:
+            mask = visible
+            if use_selection:  # the dense-masked reference of the same selection
+                idx, valid = dsa.topk_select(I, visible, c.index_topk)
+                mask = dsa.selection_mask(idx, valid, S)
+            o, probs = self.attend(q_nope, q_pe, latent_all, mask, form, need_probs)
+            if want_kl:
+                kl_mask = mask.expand(B, T, S)
+                aux["indexer_kl"].append(dsa.indexer_kl(dsa.attention_target(probs, 1), I, kl_mask))
+        return self.o_proj(o.reshape(B, T, H * c.v_head_dim))
+
+    def attend(self, q_nope, q_pe, latent, mask, form, need_probs):
+        """Dense MLA over `latent` (B, S, C + R) under `mask` (B or 1, T, S). Returns o (B, T, H, v)
+        and, if asked, probs (B, H, T, S)."""
+        c = self.cfg
+        B, T, H, _ = q_nope.shape
+        c_kv, k_pe = latent.split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
+        if form == "naive":  # MHA form: expand the latent into per-head keys and values
+            kv = self.kv_b_proj(c_kv).view(B, -1, H, c.qk_nope_head_dim + c.v_head_dim)
+            k_nope, v = kv.split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)  # (B, S, H, *)
+            k = torch.cat([k_nope, k_pe[:, :, None].expand(-1, -1, H, -1)], dim=-1)
+            q = torch.cat([q_nope, q_pe], dim=-1)
+            if not need_probs:
+                o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                   attn_mask=mask[:, None], scale=self.softmax_scale)
+                return o.transpose(1, 2), None
+            scores = torch.einsum("bthd,bshd->bhts", q, k)
+        elif form == "absorb":  # MQA form: fold W_UK into the query, attend over the 576-d latents
+            w_uk, w_uv = self.w_uk_uv()
+            q_abs = torch.einsum("bthd,hdc->bthc", q_nope, w_uk)  # (B, T, H, C)
+            scores = torch.einsum("bthc,bsc->bhts", q_abs, c_kv) + torch.einsum("bthr,bsr->bhts", q_pe, k_pe)
+        else:
+            raise ValueError(f"MLA form must be 'naive' or 'absorb', got {form!r}")
+        scores = (upcast(scores) * self.softmax_scale).masked_fill(~mask[:, None], float("-inf"))
+        probs = scores.softmax(dim=-1)  # (B, H, T, S)
+        if form == "naive":
+            o = torch.einsum("bhts,bshv->bthv", probs.to(v.dtype), v)
+        else:
+            o_lat = torch.einsum("bhts,bsc->bthc", probs.to(c_kv.dtype), c_kv)
+            o = torch.einsum("bthc,hvc->bthv", o_lat, w_uv)  # fold W_UV into the output
+        return o, probs
+
+
+# -----------------------------------------------------------------------------
+# Feed-forward: dense SwiGLU and the sigmoid-routed MoE
+
+
+class MLP(nn.Module):  # SwiGLU; also each routed and the shared expert
+    def __init__(self, dim, hidden):
+        super().__init__()
+        self.gate_proj = Linear(dim, hidden, bias=False)
+        self.up_proj = Linear(dim, hidden, bias=False)
+        self.down_proj = Linear(hidden, dim, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    """Checkpoint name `mlp.gate`: weight (E, D) and the fp32 e_score_correction_bias (E,)."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.cfg = cfg
+        self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size))
+        # moved by update_router_bias, never by gradients; used for choosing experts, not for weighting
+        self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
+
+    def forward(self, x):
+        """x (N, D) -> expert ids (N, k), weights (N, k) and scores (N, E), both in fp32 or wider."""
+        c = self.cfg
+        dt = torch.promote_types(x.dtype, torch.float32)  # fp32 router (fp64 when the whole model is)
+        scores = F.linear(x.to(dt), self.weight.to(dt)).sigmoid()
+        ids = torch.topk(scores + self.e_score_correction_bias.to(dt), c.num_experts_per_tok, dim=-1).indices
+        w = scores.gather(-1, ids)  # the bias picks the experts but does not weight them
+        if c.norm_topk_prob:
+            w = w / (w.sum(-1, keepdim=True) + 1e-20)
+        return ids, w * c.routed_scaling_factor, scores
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.cfg = cfg
+        self.gate = Router(cfg)
+        self.experts = nn.ModuleList(MLP(cfg.hidden_size, cfg.moe_intermediate_size) for _ in range(cfg.n_routed_experts))
+        self.shared_experts = MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
+        # tokens routed to each expert since the last bias update (the load statistics)
+        self.register_buffer("tokens_per_expert", torch.zeros(cfg.n_routed_experts), persistent=False)
+
+    def forward(self, x, aux=None):
+        B, T, D = x.shape
+        E, k = self.cfg.n_routed_experts, self.cfg.num_experts_per_tok
+        flat = x.reshape(-1, D)
+        ids, w, scores = self.gate(flat)  # (N, k), (N, k), (N, E)
+        counts = torch.bincount(ids.flatten(), minlength=E)
+        if self.training:
+            self.tokens_per_expert += counts.detach().float()
+        # group the (token, slot) pairs by expert, then run each expert once over its tokens
+        order = ids.flatten().argsort(stable=True)
+        token_of, w_sorted = order // k, w.flatten()[order]
+        y = torch.zeros_like(flat)
+        start = 0
+        for e, n in enumerate(counts.tolist()):
+            if n:
+                tok = token_of[start:start + n]
+                y.index_add_(0, tok, (self.experts[e](flat[tok]) * w_sorted[start:start + n, None]).to(y.dtype))
+                start += n
+        if aux is not None and "balance" in aux:
+            aux["balance"].append(sequence_balance_loss(scores.view(B, T, E), ids.view(B, T, k), E))
+        return (y + self.shared_experts(flat)).view(B, T, D)
+
+
+def sequence_balance_loss(scores, ids, E):
+    """DeepSeek-V3's sequence-wise balance loss sum_i f_i * P_i, averaged over sequences.
+    f_i = E / (k T) * (tokens of the sequence sent to expert i); P_i = mean over the sequence of the
+    scores normalised over experts. Equals 1 when perfectly balanced. scores (B, T, E), ids (B, T, k)."""
+    B, T, k = ids.shape
+    f = torch.zeros(B, E, device=ids.device).scatter_add_(1, ids.view(B, -1), torch.ones(B, T * k, device=ids.device))
+    f = f * E / (k * T)
+    P = (scores / scores.sum(-1, keepdim=True)).mean(dim=1)
+    return (f * P).sum(-1).mean()
+
+
+@torch.no_grad()
+def update_router_bias(model, rate=1e-3):
+    """Aux-loss-free balancing, once per optimizer step: bias_i += rate * sign(mean_load - load_i) per MoE
+    layer, from the loads counted since the last call (summed over ranks when distributed); resets them."""
+    for moe in (m for m in model.modules() if isinstance(m, MoE)):
+        load = moe.tokens_per_expert
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(load)
+        moe.gate.e_score_correction_bias += rate * torch.sign(load.mean() - load)
+        load.zero_()
+
+
+def moe_load_stats(model):
+    """{layer name: tokens per expert since the last bias update} for every MoE layer."""
+    return {name: m.tokens_per_expert.clone() for name, m in model.named_modules() if isinstance(m, MoE)}
+
+
+# -----------------------------------------------------------------------------
+# Decoder layer, MTP block, latent cache
+
+
+class Block(nn.Module):
+    def __init__(self, cfg, layer_id):
+        super().__init__()
+        self.layer_id = layer_id
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = MLA(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        dense = layer_id < cfg.first_k_dense_replace
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size) if dense else MoE(cfg)
+
+    def forward(self, x, cos, sin, positions, cache=None, form=None, aux=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, cache, self.layer_id, form, aux)
+        h = self.post_attention_layernorm(x)
+        return x + (self.mlp(h, aux) if isinstance(self.mlp, MoE) else self.mlp(h))
+
+
+class SharedHead(nn.Module):  # checkpoint: model.layers.{L}.shared_head.norm (the head itself is lm_head)
+    def __init__(self, cfg):
+        super().__init__()
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class MTPBlock(Block):
+    """h' = eh_proj([enorm(embed(t_{i+1})) ; hnorm(h_i)]) -> a full decoder layer; stored as layer L."""
+
+    def __init__(self, cfg, layer_id):
+        super().__init__(cfg, layer_id)
+        self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.eh_proj = Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.shared_head = SharedHead(cfg)
+
+    def forward(self, h, emb, cos, sin, positions, cache=None, form=None, aux=None):
+        x = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(h)], dim=-1))
+        return super().forward(x, cos, sin, positions, cache, form, aux)
+
+
+class KVCache:
+    """Decode state: per layer (main layers, then MTP) the [c_kv | k_pe] latent (kv_lora_rank +
+    qk_rope_head_dim = 576 values at full size) and the index_head_dim = 128 indexer key, per token."""
+
+    def __init__(self, cfg, batch_size, max_seq_len, device="cpu", dtype=torch.float32):
+        L = cfg.num_hidden_layers + cfg.num_nextn_predict_layers
+        self.max_seq_len = max_seq_len
+        self.kv = torch.zeros(L, batch_size, max_seq_len, cfg.kv_lora_rank + cfg.qk_rope_head_dim, device=device, dtype=dtype)
+        self.index_k = torch.zeros(L, batch_size, max_seq_len, cfg.index_head_dim, device=device, dtype=dtype)
+
+    def write(self, layer_id, positions, latent, index_k):
+        """positions (B, T): each row's tokens land at their own positions (rows may differ in length)."""
+        if int(positions.max()) >= self.max_seq_len:
+            raise ValueError(f"position {int(positions.max())} is past the cache's max_seq_len {self.max_seq_len}; allocate a longer KVCache")
+        rows = torch.arange(positions.shape[0], device=positions.device)[:, None]
+        self.kv[layer_id][rows, positions] = latent.to(self.kv.dtype)
+        self.index_k[layer_id][rows, positions] = index_k.to(self.index_k.dtype)
+
+
+# -----------------------------------------------------------------------------
+# The model
+
+
+class GLM5(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.config = cfg
+        L = cfg.num_hidden_layers
+        self.model = nn.ModuleDict(dict(
+            embed_tokens=nn.Embedding(cfg.vocab_size, cfg.hidden_size),
+            layers=nn.ModuleList(Block(cfg, i) for i in range(L)),
+            norm=RMSNorm(cfg.hidden_size, cfg.rms_norm_eps),
+        ))
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        # checkpoint names these model.layers.{L + j}; see checkpoint_name()
+        self.mtp_layers = nn.ModuleList(MTPBlock(cfg, L + j) for j in range(cfg.num_nextn_predict_layers))
+        self.init_weights()
+
+    def init_weights(self):
+        """All initialisation in one place: N(0, initializer_range) matrices and embeddings, unit norms,
+        zero biases (LayerNorm) and zero router correction bias."""
+        if self.lm_head.weight.is_meta:  # nothing to initialise on the meta device (parameter counting)
+            return
+        std = self.config.initializer_range
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding, Router)):
+                nn.init.normal_(m.weight, std=std)
+            elif isinstance(m, (RMSNorm, nn.LayerNorm)):
+                nn.init.ones_(m.weight)
+                if getattr(m, "bias", None) is not None:
+                    nn.init.zeros_(m.bias)
+        for m in self.modules():
+            if isinstance(m, MoE):
+                m.gate.e_score_correction_bias.zero_()
+                m.tokens_per_expert.zero_()
+
+    def forward(self, input_ids, targets=None, cache=None, start_pos=0, form=None,
+                mtp_weight=0.3, balance_weight=1e-4, indexer_kl_weight=1.0, indexer_kl=False):
+        """input_ids (B, T) -> logits (B, T, V); with targets (B, T) (ignore_index -1) -> (logits, losses)
+        where losses = {"loss": total to backprop, "lm", "mtp", "balance", "indexer_kl"}.
+
+        cache/start_pos: incremental decoding; start_pos is an int or a (B,) tensor of per-row offsets.
+        indexer_kl: also compute the indexer's KL to the main attention (dense warm-up when
+        config.dsa_mode == "dense", sparse stage when "sparse")."""
+        c = self.config
+        B, T = input_ids.shape
+        positions = torch.arange(T, device=input_ids.device)[None] + torch.as_tensor(start_pos, device=input_ids.device).view(-1, 1)
+        positions = positions.expand(B, T)  # (B, T)
+        cos, sin = rope_cos_sin(positions, c.qk_rope_head_dim, c.rope_theta, upcast(self.lm_head.weight).dtype)
+        aux = None
+        if targets is not None:
+            aux = {"balance": []} if self.training else {}
+            if indexer_kl:
+                aux["indexer_kl"] = []
+        h = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            h = layer(h, cos, sin, positions, cache, form, aux)
+        logits = self.lm_head(self.model.norm(h))
+        if targets is None:
+            return logits
+
+        zero = logits.new_zeros((), dtype=torch.float32)
+        losses = {"lm": F.cross_entropy(upcast(logits).flatten(0, 1), targets.flatten(), ignore_index=-1)}
+        losses["mtp"] = self.mtp_loss(h, input_ids, targets, cos, sin, positions, aux) if mtp_weight else zero
+        losses["balance"] = torch.stack(aux["balance"]).sum() if aux.get("balance") else zero
+        losses["indexer_kl"] = torch.stack(aux["indexer_kl"]).mean() if aux.get("indexer_kl") else zero
+        losses["loss"] = (losses["lm"] + mtp_weight * losses["mtp"] + balance_weight * losses["balance"]
+                          + indexer_kl_weight * losses["indexer_kl"])
+        return logits, losses
+
+    def mtp_loss(self, h, input_ids, targets, cos, sin, positions, aux=None):
+        """Mean over num_mtp_steps of the cross-entropy of MTP step k predicting token t_{i+k+1}.
+        Step k at position i sees h^{k-1}_i (h^0 = the main stack's last hidden state) and embed(t_{i+k});
+        all steps share one block's weights (GLM-5: 1 block, 3 steps)."""
+        c = self.config
+        T = input_ids.shape[1]
+        steps = min(c.num_mtp_steps, T - 1) if self.mtp_layers else 0
+        if steps <= 0:
+            return h.new_zeros((), dtype=torch.float32)
+        total = 0.0
+        for k in range(1, steps + 1):
+            block = self.mtp_layers[min(k - 1, len(self.mtp_layers) - 1)]
+            n = T - k
+            emb = self.model.embed_tokens(input_ids[:, k:])  # embed(t_{i+k}), (B, n, D)
+            h = block(h[:, :n], emb, cos[:, :n], sin[:, :n], positions[:, :n], aux=aux)
+            logits = self.lm_head(block.shared_head.norm(h))
+            total = total + F.cross_entropy(upcast(logits).flatten(0, 1), targets[:, k:].flatten(), ignore_index=-1)
+        return total / steps
+
+    @torch.no_grad()
+    def generate(self, input_ids, max_new_tokens, temperature=1.0, top_k=None, form=None):
+        """Prefill the prompt into a latent cache, then decode one token at a time."""
+        B, T = input_ids.shape
+        p = next(self.parameters())
+        cache = KVCache(self.config, B, T + max_new_tokens, p.device, p.dtype)
+        logits = self(input_ids, cache=cache, start_pos=0, form=form)[:, -1]
+        out = [input_ids]
+        for i in range(max_new_tokens):
+            logits = logits.float() / max(temperature, 1e-6)
+            if top_k is not None:
+                v, _ = torch.topk(logits, min(top_k, logits.shape[-1]))
+                logits[logits < v[:, [-1]]] = -float("inf")
+            nxt = torch.multinomial(logits.softmax(-1), 1) if temperature > 0 else logits.argmax(-1, keepdim=True)
+            out.append(nxt)
+            if i + 1 < max_new_tokens:
+                logits = self(nxt, cache=cache, start_pos=T + i, form=form)[:, -1]
+        return torch.cat(out, dim=1)
+
+    # --- the public checkpoint format -------------------------------------------------
+
+    def checkpoint_name(self, name):
+        """Our state_dict name -> the released name (MTP block j is stored as model.layers.{L + j})."""
+        if name.startswith("mtp_layers."):
+            j, rest = name[len("mtp_layers."):].split(".", 1)
+            return f"model.layers.{self.config.num_hidden_layers + int(j)}.{rest}"
+        return name
+
+    def save_pretrained(self, directory, dtype=torch.bfloat16, max_shard_bytes=5 * 2**30):
+        """Write config.json + sharded safetensors + index json; the router bias stays fp32."""
+        os.makedirs(directory, exist_ok=True)
+        tensors = {}
+        for name, t in self.state_dict().items():
+            keep_fp32 = name.endswith("e_score_correction_bias")
+            tensors[self.checkpoint_name(name)] = t.detach().to("cpu", torch.float32 if keep_fp32 else dtype)
+        weights.save_sharded(tensors, directory, max_shard_bytes)
+        cfg = self.config.to_dict()
+        cfg["dtype"] = str(dtype).replace("torch.", "")
+        tmp = os.path.join(directory, "config.json.tmp")
+        with open(tmp, "w") as f:
+            json.dump(cfg, f, indent=2)
+        os.replace(tmp, os.path.join(directory, "config.json"))
+
+    @classmethod
+    def from_pretrained(cls, directory, dtype=None, device="cpu", **overrides):
+        """Load config.json + safetensors (ours or the public GLM-5 release), shard by shard, memory-mapped.
+        dtype: parameter dtype (default: as stored); overrides: ModelConfig fields to change (e.g. dsa_mode)."""
+        path = os.path.join(directory, "config.json")
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"no config.json in {directory}; pass a directory written by save_pretrained or a GLM-5 checkpoint")
+        try:
+            with open(path) as f:
+                raw = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} is not valid JSON ({e})") from None
+        cfg = ModelConfig.from_dict({**raw, **overrides}, source=path)
+        with torch.device("meta"):
+            model = cls(cfg)
+        model.to_empty(device=device)
+        expected = {model.checkpoint_name(n): t for n, t in model.state_dict(keep_vars=True).items()}
+        L = cfg.num_hidden_layers
+        # the release may repeat the shared embedding/head inside the MTP layer; ours are the same tensors
+        redundant = tuple(f"model.layers.{L + j}.{s}" for j in range(cfg.num_nextn_predict_layers)
+                          for s in ("embed_tokens.weight", "shared_head.head.weight"))
+        loaded = set()
+        for fname, names in weights.open_checkpoint(directory).items():
+            f = weights.SafeFile(os.path.join(directory, fname))
+            for name in names:
+                if name.startswith(redundant):
+                    continue
+                if name not in expected:
+                    raise weights.CheckpointError(f"{fname} holds tensor {name}, which config.json does not describe; the checkpoint and config.json disagree")
+                src, dst = f.get(name), expected[name]
+                if tuple(src.shape) != tuple(dst.shape):
+                    raise weights.CheckpointError(f"tensor {name} in {fname} has shape {tuple(src.shape)} but config.json implies {tuple(dst.shape)}")
+                with torch.no_grad():
+                    dst.copy_(src)
+                loaded.add(name)
+        missing = [n for n in expected if n not in loaded]
+        if missing:
+            raise weights.CheckpointError(f"checkpoint {directory} lacks tensor {missing[0]} (and {len(missing) - 1} more) that config.json implies")
+        for m in model.modules():
+            if isinstance(m, MoE):
+                m.tokens_per_expert.zero_()
+        if dtype is not None:
+            for n, p in model.named_parameters():
+                p.data = p.data.to(dtype)
+        return model
+
+
+# -----------------------------------------------------------------------------
+# Parameter accounting
+
+
+def param_counts(model):
+    """Totals as the report counts them. 'emb' = embed_tokens + lm_head; activated = per token
+    (all but the routed experts each MoE layer does not pick); the MTP layer shares embed and head."""
+    c = model.config
+    sizes = {n: t.numel() for n, t in model.state_dict().items()}
+    total = sum(sizes.values())
+    emb = sizes["model.embed_tokens.weight"] + sizes["lm_head.weight"]
+    mtp = sum(v for n, v in sizes.items() if n.startswith("mtp_layers."))
+    expert = 3 * c.hidden_size * c.moe_intermediate_size
+    n_moe = c.num_hidden_layers - c.first_k_dense_replace
+    idle = (c.n_routed_experts - c.num_experts_per_tok) * expert
+    main = total - mtp
+    return {
+        "total (with MTP)": total,
+        "total without MTP": main,
+        "total without MTP, without embeddings": main - emb,
+        "activated per token (without MTP)": main - n_moe * idle,
+        "activated per token, without embeddings": main - n_moe * idle - emb,
+        "MTP layer (shares embeddings and head)": mtp,
+        "MTP layer activated per token": mtp - len(model.mtp_layers) * idle,
+        "embeddings + lm_head": emb,
+    }
+
+
+def param_table(model):
+    c = model.config
+    fmt = lambda v: f"{v / 1e9:9.3f}B" if v >= 1e9 else f"{v / 1e6:9.3f}M"
+    rows = [f"{k:<44s} {fmt(v)}  ({v:,})" for k, v in param_counts(model).items()]
+    attn = sum(p.numel() for n, p in model.model.layers[-1].self_attn.named_parameters() if not n.startswith("indexer"))
+    idx = sum(p.numel() for p in model.model.layers[-1].self_attn.indexer.parameters())
+    rows.append(f"per layer: attention {attn / 1e6:.2f}M, indexer {idx / 1e6:.2f}M, expert "
+                f"{3 * c.hidden_size * c.moe_intermediate_size / 1e6:.2f}M, router {c.n_routed_experts * c.hidden_size / 1e6:.2f}M")
+    per_tok = c.kv_lora_rank + c.qk_rope_head_dim + c.index_head_dim
+    rows.append(f"KV cache per token per layer: {c.kv_lora_rank}+{c.qk_rope_head_dim} latent + {c.index_head_dim} "
+                f"indexer key = {per_tok} values ({per_tok * 2 * c.num_hidden_layers / 2**10:.1f} KiB/token in bf16)")
+    return "\n".join(rows)
+
+
+# -----------------------------------------------------------------------------
+# python model.py configs/<name>.py : build, forward, backward, parameter table
+
+
+def load_config_file(path):
+    """Execute a configs/*.py file; -> (ModelConfig from the keys that name its fields, the other keys)."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"config file {path} not found; try one of configs/toy.py, configs/small.py, configs/full.py")
+    scope = {}
+    exec(open(path).read(), scope)
+    keys = {k: v for k, v in scope.items() if not k.startswith("_") and not callable(v) and not isinstance(v, type(sys))}
+    names = {f.name for f in dataclasses.fields(ModelConfig)}
+    return ModelConfig(**{k: v for k, v in keys.items() if k in names}), {k: v for k, v in keys.items() if k not in names}
+
+
+if __name__ == "__main__":
+    import time
+
+    if len(sys.argv) != 2:
+        sys.exit("usage: python model.py configs/<name>.py")
+    cfg, rest = load_config_file(sys.argv[1])
+    print(f"config {sys.argv[1]}: {json.dumps(dataclasses.asdict(cfg))}")
+    if rest:
+        print(f"keys for train.py, not the model: {', '.join(sorted(rest))}")
+    t0 = time.time()
+    with torch.device("meta"):
+        meta_model = GLM5(cfg)
+    print(f"built on the meta device in {time.time() - t0:.1f}s\n{param_table(meta_model)}")
+    n = param_counts(meta_model)["total (with MTP)"]
+    if n * 4 > 8 * 2**30:  # more than ~8 GiB of fp32 weights: too big to instantiate here
+        print(f"{n / 1e9:.1f}B parameters need {n * 2 / 2**30:.0f} GiB in bf16: not materialised; training it is train.py's job under torchrun")
+        sys.exit(0)
+    torch.manual_seed(0)
+    model = GLM5(cfg)
+    T = min(int(rest.get("block_size", 256)), 256, cfg.max_position_embeddings)  # a CPU-sized demo batch
+    x = torch.randint(0, cfg.vocab_size, (2, T + 1))
+    t0 = time.time()
+    model.train()
+    logits, losses = model(x[:, :-1], x[:, 1:])
+    losses["loss"].backward()
+    print(f"forward+backward on (2, {T}) in {time.time() - t0:.2f}s: " + ", ".join(f"{k} {v.item():.4f}" for k, v in losses.items())
+          + f" (ln V = {math.log(cfg.vocab_size):.4f})")
+    model.eval()
+    print("sample token ids:", model.generate(x[:1, :8], 8, temperature=0.0)[0].tolist())

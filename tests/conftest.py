@@ -1,0 +1,40 @@
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+import model  # noqa: E402
+
+
+def tiny_config(**kw):
+    """A GLM-5 small enough for float64 checks: every part present, v_head_dim != qk head dim on purpose."""
+    base = dict(vocab_size=97, hidden_size=48, intermediate_size=80, moe_intermediate_size=16, num_hidden_layers=3,
+                first_k_dense_replace=1, num_attention_heads=3, num_key_value_heads=3, q_lora_rank=24, kv_lora_rank=16,
+                qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=20, n_routed_experts=8, num_experts_per_tok=2,
+                index_topk=5, index_n_heads=2, index_head_dim=12, rope_theta=1e4, max_position_embeddings=512,
+                num_nextn_predict_layers=1, num_mtp_steps=3)
+    base.update(kw)
+    return model.ModelConfig(**base)
+
+
+def randomize(m, seed=None):
+    """Fresh random values for everything a checkpoint could hold, norms and router bias included."""
+    g = torch.Generator().manual_seed(seed if seed is not None else torch.seed() % 2**31)
+    with torch.no_grad():
+        for name, t in m.state_dict().items():
+            if t.is_floating_point():
+                if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+                    t.copy_(1 + 0.2 * torch.randn(t.shape, generator=g, dtype=torch.float64))
+                else:
+                    scale = 0.3 if "e_score_correction_bias" in name or name.endswith(".bias") else 0.1
+                    t.copy_(scale * torch.randn(t.shape, generator=g, dtype=torch.float64))
+    return m
+
+
+@pytest.fixture
+def tiny():
+    return tiny_config

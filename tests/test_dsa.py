@@ -1,0 +1,139 @@
+"""dsa.py: selection, sparse vs dense-masked attention, the dense limit, and indexer KL training."""
+
+import pytest
+import torch
+
+import dsa
+import model
+from conftest import randomize, tiny_config
+
+
+@pytest.fixture
+def impl():
+    saved = dsa.IMPL
+    yield
+    dsa.IMPL = saved
+
+
+def f64_model(**kw):
+    return randomize(model.GLM5(tiny_config(**kw)).double()).eval()
+
+
+def causal(T, S=None):
+    S = S or T
+    return (torch.arange(S) <= torch.arange(S - T, S)[:, None])[None]  # (1, T, S)
+
+
+def test_no_token_selects_the_future():
+    B, T, k = 3, 40, 7
+    scores = torch.randn(B, T, T)
+    scores[:, :, -5:] += 100.0  # the future looks very attractive
+    idx, valid = dsa.topk_select(scores, causal(T), k)
+    t = torch.arange(T)[None, :, None]
+    assert (idx[valid] <= t.expand_as(idx)[valid]).all()
+    assert torch.equal(valid.sum(-1), torch.clamp(torch.arange(T) + 1, max=k).expand(B, T))
+    # the selected set is the top-k of the visible scores
+    vis = scores.masked_fill(~causal(T), float("-inf"))
+    assert torch.equal(torch.sort(idx[:, -1], dim=-1).values, torch.sort(vis[:, -1].topk(k).indices, dim=-1).values)
+
+
+def test_selection_is_deterministic_under_ties():
+    T, k = 64, 10
+    scores = torch.randint(0, 3, (2, T, T)).float()  # many exact ties
+    first = dsa.topk_select(scores, causal(T), k)
+    for _ in range(5):
+        again = dsa.topk_select(scores.clone(), causal(T), k)
+        assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
+    # ties break toward the lower position
+    flat = torch.zeros(1, 1, T)
+    idx, _ = dsa.topk_select(flat, torch.ones(1, 1, T, dtype=torch.bool), k)
+    assert idx[0, 0].tolist() == list(range(k))
+
+
+def test_sparse_attention_with_every_key_selected_equals_dense():
+    """With index_topk >= length the selection is everything visible, and gathered sparse MLA is dense MLA."""
+    m = f64_model()
+    attn = m.model.layers[1].self_attn
+    B, T, H, C, R = 2, 9, 3, 16, 8
+    q_nope = torch.randn(B, T, H, 12, dtype=torch.float64)
+    q_pe = torch.randn(B, T, H, R, dtype=torch.float64)
+    latent = torch.randn(B, T, C + R, dtype=torch.float64)
+    idx, valid = dsa.topk_select(torch.randn(B, T, T, dtype=torch.float64), causal(T), T)
+    assert torch.equal(dsa.selection_mask(idx, valid, T), causal(T).expand(B, T, T))
+    w_uk, w_uv = attn.w_uk_uv()
+    o_lat, _ = dsa.sparse_mla(torch.einsum("bthd,hdc->bthc", q_nope, w_uk), q_pe, latent, idx, valid, attn.softmax_scale)
+    sparse = torch.einsum("bthc,hvc->bthv", o_lat, w_uv)
+    dense, _ = attn.attend(q_nope, q_pe, latent, causal(T), "naive", need_probs=True)
+    assert (sparse - dense).abs().max() < 1e-12
+
+
+def test_model_dsa_equals_dense_when_topk_covers_the_sequence(impl):
+    m = f64_model(index_topk=32)
+    x = torch.randint(0, 97, (2, 20))
+    sparse = m(x)
+    m.config.dsa_mode = "dense"
+    assert (sparse - m(x)).abs().max() < 1e-12
+    # and with a short index_topk the outputs really differ: sparsity is not a no-op
+    m.config.dsa_mode, m.config.index_topk = "sparse", 4
+    assert (sparse - m(x)).abs().max() > 1e-6
+
+
+@pytest.mark.parametrize("form", ["naive", "absorb"])
+def test_gather_path_equals_dense_masked_path(impl, form):
+    m = f64_model(index_topk=5)
+    x = torch.randint(0, 97, (2, 24))
+    y = torch.randint(0, 97, (2, 24))
+    out = {}
+    for which in ("gather", "masked"):
+        dsa.IMPL = which
+        m.zero_grad()
+        logits, losses = m(x, y, form=form, indexer_kl=True)
+        (losses["lm"] + losses["indexer_kl"]).backward()
+        out[which] = (logits, losses["indexer_kl"], [p.grad.clone() for p in m.parameters() if p.grad is not None])
+    (lg, kg, gg), (lm_, km, gm) = out["gather"], out["masked"]
+    assert (lg - lm_).abs().max() < 1e-10 and abs(kg.item() - km.item()) < 1e-10 and kg > 0
+    assert len(gg) == len(gm) and all((a - b).abs().max() < 1e-9 for a, b in zip(gg, gm))
+
+
+def test_indexer_kl_is_zero_when_distributions_match():
+    p = torch.softmax(torch.randn(2, 5, 9, dtype=torch.float64), -1)
+    mask = torch.ones(2, 5, 9, dtype=torch.bool)
+    assert dsa.indexer_kl(p, p.log(), mask).abs() < 1e-12
+    assert dsa.indexer_kl(p, torch.randn(2, 5, 9, dtype=torch.float64), mask) > 0
+    # masked keys neither count in p nor in the indexer's softmax
+    mask[..., -3:] = False
+    p2 = torch.softmax(torch.randn(2, 5, 6, dtype=torch.float64), -1)
+    padded = torch.cat([p2, torch.zeros(2, 5, 3, dtype=torch.float64)], -1)
+    junk = torch.cat([p2.log(), torch.full((2, 5, 3), 50.0, dtype=torch.float64)], -1)
+    assert dsa.indexer_kl(padded, junk, mask).abs() < 1e-12
+
+
+@pytest.mark.parametrize("mode", ["dense", "sparse"])
+def test_indexer_learns_only_from_its_kl_and_the_model_only_from_lm(mode):
+    m = model.GLM5(tiny_config(dsa_mode=mode, index_topk=5)).train()
+    x, y = torch.randint(0, 97, (2, 16)), torch.randint(0, 97, (2, 16))
+    _, losses = m(x, y, indexer_kl=True)
+    losses["indexer_kl"].backward(retain_graph=True)
+    for name, p in m.named_parameters():
+        got = p.grad is not None and p.grad.abs().sum() > 0
+        assert got == (".indexer." in name), name  # KL reaches the indexers (MTP's too) and nothing else
+        p.grad = None
+    losses["lm"].backward()
+    assert all(p.grad is None or p.grad.abs().sum() == 0 for n, p in m.named_parameters() if ".indexer." in n)
+
+
+def test_dense_warmup_trains_the_indexer_toward_attention():
+    torch.manual_seed(torch.seed() % 2**31)
+    m = model.GLM5(tiny_config(dsa_mode="dense")).train()
+    for n, p in m.named_parameters():
+        p.requires_grad_(".indexer." in n)  # warm-up: everything frozen but the indexers
+    opt = torch.optim.Adam([p for p in m.parameters() if p.requires_grad], lr=1e-2)
+    x = torch.randint(0, 97, (4, 32))
+    kls = []
+    for _ in range(40):
+        _, losses = m(x, x, indexer_kl=True, mtp_weight=0)
+        opt.zero_grad()
+        losses["indexer_kl"].backward()
+        opt.step()
+        kls.append(losses["indexer_kl"].item())
+    assert kls[-1] < 0.5 * kls[0], kls

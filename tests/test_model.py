@@ -1,0 +1,222 @@
+"""model.py: parameter arithmetic, both MLA forms, cached decoding, MoE routing and balancing, MTP, training."""
+
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import dsa
+import model
+from conftest import randomize, tiny_config
+
+
+def f64_model(**kw):
+    m = model.GLM5(tiny_config(**kw)).double()
+    return randomize(m).eval()
+
+
+# -----------------------------------------------------------------------------
+# Parameter accounting
+
+
+def test_full_config_parameter_counts_on_meta():
+    cfg, _ = model.load_config_file("configs/full.py")
+    with torch.device("meta"):
+        m = model.GLM5(cfg)
+    n = model.param_counts(m)
+    assert round(n["total without MTP"] / 1e9, 1) == 743.9
+    assert round(n["total (with MTP)"] / 1e9, 1) == 753.9
+    assert round(n["activated per token, without embeddings"] / 1e9, 1) == 39.9
+    layer = m.model.layers[3]
+    attn = sum(p.numel() for k, p in layer.self_attn.named_parameters() if not k.startswith("indexer"))
+    assert round(attn / 1e6, 1) == 165.0
+    assert round(sum(p.numel() for p in layer.self_attn.indexer.parameters()) / 1e6, 2) == 9.37
+    assert round(sum(p.numel() for p in layer.mlp.experts[0].parameters()) / 1e6, 2) == 37.75
+    assert round(layer.mlp.gate.weight.numel() / 1e6, 2) == 1.57
+    assert len(layer.mlp.experts) == 256 and isinstance(m.model.layers[2].mlp, model.MLP)
+    assert m.config.kv_lora_rank + m.config.qk_rope_head_dim == 576
+
+
+def test_config_errors_are_one_clear_sentence():
+    with pytest.raises(ValueError, match="num_key_value_heads"):
+        tiny_config(num_key_value_heads=1)
+    with pytest.raises(ValueError, match="num_experts_per_tok"):
+        tiny_config(num_experts_per_tok=9)
+    with pytest.raises(ValueError, match="hidden_size must be positive"):
+        tiny_config(hidden_size=0)
+    with pytest.raises(ValueError, match="dsa_mode"):
+        tiny_config(dsa_mode="sliding")
+    with pytest.raises(ValueError, match="scoring_func"):
+        model.ModelConfig.from_dict({**tiny_config().to_dict(), "scoring_func": "softmax"})
+    with pytest.raises(FileNotFoundError, match="configs/toy.py"):
+        model.load_config_file("configs/nope.py")
+
+
+# -----------------------------------------------------------------------------
+# MLA: absorbed == naive; cached decoding == full forward
+
+
+@pytest.mark.parametrize("mode", ["dense", "sparse"])
+def test_absorbed_mla_equals_naive(mode):
+    m = f64_model(dsa_mode=mode)
+    x = torch.randint(0, 97, (2, 17))
+    naive, absorbed = m(x, form="naive"), m(x, form="absorb")
+    assert (naive - absorbed).abs().max() < 1e-10
+    assert naive.std() > 0.1  # the comparison is not between two zeros
+
+
+def test_cached_decoding_equals_full_forward_beyond_index_topk():
+    m = f64_model()  # index_topk = 5
+    B, T, P = 2, 21, 3
+    x = torch.randint(0, 97, (B, T))
+    full = m(x)  # naive form, no cache, sparse beyond position 5
+    cache = model.KVCache(m.config, B, T, dtype=torch.float64)
+    steps = [m(x[:, :P], cache=cache, start_pos=0)]  # prefill
+    steps += [m(x[:, t:t + 1], cache=cache, start_pos=t) for t in range(P, T)]  # decode, absorbed form
+    inc = torch.cat(steps, dim=1)
+    assert (inc - full).abs().max() < 1e-10
+    # only the latent (kv_lora_rank + rope) and the indexer key are cached
+    assert cache.kv.shape[-1] == 16 + 8 and cache.index_k.shape[-1] == 12
+
+
+def test_decoding_with_per_row_positions():
+    m = f64_model()
+    x = torch.randint(0, 97, (2, 12))
+    cache = model.KVCache(m.config, 2, 16, dtype=torch.float64)
+    m(x, cache=cache, start_pos=0)
+    # row 0 rewinds to position 8 (its stale positions 9.. are invisible), row 1 goes on at 12
+    nxt = torch.randint(0, 97, (2, 1))
+    out = m(nxt, cache=cache, start_pos=torch.tensor([8, 12]))
+    ref0 = m(torch.cat([x[:1, :8], nxt[:1]], 1))[:, -1]
+    ref1 = m(torch.cat([x[1:], nxt[1:]], 1))[:, -1]
+    assert (out[0, -1] - ref0[0]).abs().max() < 1e-10 and (out[1, -1] - ref1[0]).abs().max() < 1e-10
+    with pytest.raises(ValueError, match="max_seq_len"):
+        m(nxt, cache=cache, start_pos=16)
+
+
+def test_greedy_generate_equals_uncached_argmax_loop():
+    m = f64_model()
+    prompt = torch.randint(0, 97, (1, 4))
+    out = m.generate(prompt, 10, temperature=0.0)
+    seq = prompt
+    for _ in range(10):
+        seq = torch.cat([seq, m(seq)[:, -1].argmax(-1, keepdim=True)], 1)
+    assert torch.equal(out, seq)
+
+
+# -----------------------------------------------------------------------------
+# MoE
+
+
+def test_moe_routing_matches_hand_computation():
+    m = f64_model()
+    moe = m.model.layers[1].mlp
+    x = torch.randn(1, 7, 48, dtype=torch.float64)
+    y = moe(x)
+    bias = moe.gate.e_score_correction_bias.double()
+    for t in range(7):  # one token at a time, straight from SPEC 5
+        xt = x[0, t]
+        s = torch.sigmoid(moe.gate.weight @ xt)
+        chosen = sorted(range(8), key=lambda e: -(s[e] + bias[e]).item())[:2]
+        w = torch.stack([s[e] for e in chosen])
+        w = w / w.sum() * 2.5
+        ref = moe.shared_experts(xt) + sum(wi * moe.experts[e](xt) for wi, e in zip(w, chosen))
+        assert (y[0, t] - ref).abs().max() < 1e-12
+
+
+def test_router_bias_changes_selection_not_weights():
+    m = f64_model()
+    gate = m.model.layers[1].mlp.gate
+    gate.e_score_correction_bias.zero_()
+    x = torch.randn(64, 48, dtype=torch.float64)
+    ids0, w0, s0 = gate(x)
+    gate.e_score_correction_bias[5] = 10.0  # expert 5 now always chosen
+    ids1, w1, s1 = gate(x)
+    assert (ids1 == 5).any(-1).all() and not (ids0 == 5).any(-1).all()
+    assert torch.equal(s0, s1)  # the scores themselves do not see the bias
+    ref = s1.gather(-1, ids1)
+    assert torch.allclose(w1, ref / ref.sum(-1, keepdim=True) * 2.5)  # weights from unbiased scores
+    assert gate(x.float())[2].dtype == torch.float32 and gate(x.bfloat16())[2].dtype == torch.float32
+
+
+def test_bias_updates_move_load_toward_balance():
+    torch.manual_seed(torch.seed() % 2**31)
+    m = model.GLM5(tiny_config()).train()
+    moe = m.model.layers[1].mlp
+    with torch.no_grad():
+        moe.gate.weight[:3] += 0.5 * torch.randn(48)  # three experts grab most tokens for a shared direction
+    x_dir = torch.randn(48)
+
+    def imbalance():
+        x = torch.randn(4, 64, 48) + 3 * x_dir
+        moe.tokens_per_expert.zero_()
+        moe(x)
+        load = moe.tokens_per_expert
+        return (load.max() / load.mean()).item()
+
+    before = imbalance()
+    for _ in range(300):
+        with torch.no_grad():
+            moe(torch.randn(4, 64, 48) + 3 * x_dir)
+        model.update_router_bias(moe, rate=0.01)
+    after = imbalance()
+    assert before > 2.0, before
+    assert after < 0.6 * before and after < 2.0, (before, after)
+    assert moe.gate.e_score_correction_bias.abs().sum() > 0
+
+
+def test_sequence_balance_loss():
+    E, k, T = 4, 2, 8
+    uniform = torch.full((1, T, E), 0.5)
+    balanced = torch.tensor([[0, 1], [2, 3]] * (T // 2)).view(1, T, k)
+    skewed = torch.tensor([[0, 1]] * T).view(1, T, k)
+    assert abs(model.sequence_balance_loss(uniform, balanced, E).item() - 1.0) < 1e-6
+    peaked = torch.tensor([0.9, 0.9, 0.1, 0.1]).expand(1, T, E)
+    assert model.sequence_balance_loss(peaked, skewed, E) > 1.5
+    # differentiable through the scores, and the model reports it during training
+    m = model.GLM5(tiny_config()).train()
+    x = torch.randint(0, 97, (2, 9))
+    _, losses = m(x[:, :-1], x[:, 1:])
+    losses["balance"].backward()
+    assert m.model.layers[1].mlp.gate.weight.grad.abs().sum() > 0
+    assert losses["balance"] > 0 and len(model.moe_load_stats(m)) == 3  # 2 MoE layers + MTP
+
+
+# -----------------------------------------------------------------------------
+# MTP
+
+
+def test_mtp_steps_share_one_block():
+    m = model.GLM5(tiny_config(num_mtp_steps=3)).train()
+    assert len(m.mtp_layers) == 1
+    calls = []
+    m.mtp_layers[0].register_forward_hook(lambda mod, inp, out: calls.append(inp[0].shape[1]))
+    x = torch.randint(0, 97, (2, 10))
+    _, losses = m(x[:, :-1], x[:, 1:])
+    assert calls == [8, 7, 6]  # step k sees T - k positions, all through the same weights
+    losses["mtp"].backward()
+    assert m.mtp_layers[0].eh_proj.weight.grad.abs().sum() > 0
+    # the MTP loss is the mean of its steps: dropping to one step changes it
+    m.config.num_mtp_steps = 1
+    _, one = m(x[:, :-1], x[:, 1:])
+    assert abs(one["mtp"].item() - losses["mtp"].item()) > 1e-6
+
+
+def test_toy_model_overfits_a_batch_in_seconds():
+    torch.manual_seed(torch.seed() % 2**31)
+    cfg = tiny_config(vocab_size=64, hidden_size=64, index_topk=8, num_mtp_steps=1)
+    m = model.GLM5(cfg).train()
+    x = torch.randint(0, 64, (4, 33))
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    t0 = time.time()
+    for step in range(60):
+        _, losses = m(x[:, :-1], x[:, 1:])
+        opt.zero_grad()
+        losses["loss"].backward()
+        opt.step()
+        model.update_router_bias(m)
+        if step == 0:
+            first = losses["lm"].item()
+    assert first > 3.5 and losses["lm"].item() < 0.3, (first, losses["lm"].item())
+    assert time.time() - t0 < 60
