@@ -125,6 +125,8 @@ class ModelConfig:
             if rope.get("rope_type", "default") != "default":
                 raise ValueError(f"{source}: rope_type {rope.get('rope_type')!r} is not supported; GLM-5 uses plain RoPE ('default', no YaRN)")
             d.setdefault("rope_theta", rope.get("rope_theta", d.get("rope_theta")))
+        if any(t != "full" for t in d.get("indexer_types") or []) or (d.get("index_topk_freq") or 1) > 1:
+            raise ValueError(f"{source}: cross-layer indexer sharing (indexer_types / index_topk_freq) is not part of GLM-5 and not supported; every layer needs its own indexer")
         if d.get("q_lora_rank", 1) is None:
             raise ValueError(f"{source}: q_lora_rank is null (no query compression); GLM-5 compresses queries, give q_lora_rank")
         if isinstance(d.get("eos_token_id"), int):
@@ -328,6 +330,14 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size))
         # moved by update_router_bias, never by gradients; used for choosing experts, not for weighting
         self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
+
+    def _apply(self, fn, recurse=True):
+        # the correction bias stays fp32 whatever the model is cast to: its 1e-3 steps vanish in bf16
+        super()._apply(fn, recurse)
+        b = self.e_score_correction_bias
+        if b.dtype not in (torch.float32, torch.float64):
+            self.e_score_correction_bias = b.float()
+        return self
 
     def forward(self, x):
         """x (N, D) -> expert ids (N, k), weights (N, k) and scores (N, E), both in fp32 or wider."""
@@ -598,7 +608,8 @@ class GLM5(nn.Module):
     @classmethod
     def from_pretrained(cls, directory, dtype=None, device="cpu", **overrides):
         """Load config.json + safetensors (ours or the public GLM-5 release), shard by shard, memory-mapped.
-        dtype: parameter dtype (default: as stored); overrides: ModelConfig fields to change (e.g. dsa_mode)."""
+        dtype: parameter dtype (default: config.json's "dtype"/"torch_dtype", else fp32);
+        overrides: ModelConfig fields to change (e.g. dsa_mode="dense")."""
         path = os.path.join(directory, "config.json")
         if not os.path.isfile(path):
             raise FileNotFoundError(f"no config.json in {directory}; pass a directory written by save_pretrained or a GLM-5 checkpoint")
@@ -608,8 +619,12 @@ class GLM5(nn.Module):
         except json.JSONDecodeError as e:
             raise ValueError(f"{path} is not valid JSON ({e})") from None
         cfg = ModelConfig.from_dict({**raw, **overrides}, source=path)
+        if dtype is None:
+            dtype = getattr(torch, str(raw.get("dtype") or raw.get("torch_dtype") or "float32"), None)
+            if not isinstance(dtype, torch.dtype):
+                raise ValueError(f"{path}: unknown dtype {raw.get('dtype') or raw.get('torch_dtype')!r}; pass dtype= to from_pretrained")
         with torch.device("meta"):
-            model = cls(cfg)
+            model = cls(cfg).to(dtype)  # parameters only change dtype; the router bias stays fp32
         model.to_empty(device=device)
         expected = {model.checkpoint_name(n): t for n, t in model.state_dict(keep_vars=True).items()}
         L = cfg.num_hidden_layers
@@ -620,7 +635,7 @@ class GLM5(nn.Module):
         for fname, names in weights.open_checkpoint(directory).items():
             f = weights.SafeFile(os.path.join(directory, fname))
             for name in names:
-                if name.startswith(redundant):
+                if name.startswith(redundant) or name.endswith("rotary_emb.inv_freq"):
                     continue
                 if name not in expected:
                     raise weights.CheckpointError(f"{fname} holds tensor {name}, which config.json does not describe; the checkpoint and config.json disagree")
@@ -636,9 +651,6 @@ class GLM5(nn.Module):
         for m in model.modules():
             if isinstance(m, MoE):
                 m.tokens_per_expert.zero_()
-        if dtype is not None:
-            for n, p in model.named_parameters():
-                p.data = p.data.to(dtype)
         return model
 
 

@@ -144,26 +144,28 @@ def test_bias_updates_move_load_toward_balance():
     torch.manual_seed(torch.seed() % 2**31)
     m = model.GLM5(tiny_config()).train()
     moe = m.model.layers[1].mlp
+    u = F.normalize(torch.randn(48), dim=0)
     with torch.no_grad():
-        moe.gate.weight[:3] += 0.5 * torch.randn(48)  # three experts grab most tokens for a shared direction
-    x_dir = torch.randn(48)
+        moe.gate.weight[:3] += u  # experts 0-2 get about +1 logit for every token: they take most of the load
+    batch = lambda: torch.randn(4, 64, 48) + u
 
-    def imbalance():
-        x = torch.randn(4, 64, 48) + 3 * x_dir
+    def imbalance():  # max / mean tokens per expert over a few batches
         moe.tokens_per_expert.zero_()
-        moe(x)
+        with torch.no_grad():
+            for _ in range(4):
+                moe(batch())
         load = moe.tokens_per_expert
         return (load.max() / load.mean()).item()
 
     before = imbalance()
-    for _ in range(300):
+    for rate in [0.01] * 200 + [0.002] * 200:  # a coarse then a fine phase (sign updates oscillate by ~rate)
         with torch.no_grad():
-            moe(torch.randn(4, 64, 48) + 3 * x_dir)
-        model.update_router_bias(moe, rate=0.01)
+            moe(batch())
+        model.update_router_bias(moe, rate=rate)
     after = imbalance()
     assert before > 2.0, before
-    assert after < 0.6 * before and after < 2.0, (before, after)
-    assert moe.gate.e_score_correction_bias.abs().sum() > 0
+    assert after < 1.35, (before, after)  # 1.1-1.25 measured over 12 trials; sampling noise alone gives ~1.1
+    assert (moe.gate.e_score_correction_bias[:3] < 0).all()  # the favoured experts were pushed down
 
 
 def test_sequence_balance_loss():
