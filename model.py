@@ -23,6 +23,7 @@ and fast MoE come from kernels.py. The KV cache is one contiguous block per laye
 """
 
 import dataclasses
+import difflib
 import json
 import math
 import os
@@ -120,11 +121,13 @@ class ModelConfig:
         for k, want in cls.REQUIRED_VALUES.items():
             if k in d and d[k] != want:
                 raise ValueError(f"{source}: {k} = {d[k]!r} is not supported (GLM-5 uses {want!r})")
-        rope = d.pop("rope_parameters", None) or d.pop("rope_scaling", None)
-        if rope:
-            if rope.get("rope_type", "default") != "default":
-                raise ValueError(f"{source}: rope_type {rope.get('rope_type')!r} is not supported; GLM-5 uses plain RoPE ('default', no YaRN)")
-            d.setdefault("rope_theta", rope.get("rope_theta", d.get("rope_theta")))
+        for key in ("rope_scaling", "rope_parameters"):  # the newer rope_parameters wins (applied last)
+            rope = d.pop(key, None) or {}
+            kind = rope.get("rope_type", rope.get("type", "default"))  # older files say "type"
+            if kind != "default":
+                raise ValueError(f"{source}: {key} has rope type {kind!r}, which is not supported; GLM-5 uses plain RoPE ('default', no YaRN)")
+            if "rope_theta" in rope:
+                d["rope_theta"] = rope["rope_theta"]
         if any(t != "full" for t in d.get("indexer_types") or []) or (d.get("index_topk_freq") or 1) > 1:
             raise ValueError(f"{source}: cross-layer indexer sharing (indexer_types / index_topk_freq) is not part of GLM-5 and not supported; every layer needs its own indexer")
         if d.get("q_lora_rank", 1) is None:
@@ -618,7 +621,12 @@ class GLM5(nn.Module):
                 raw = json.load(f)
         except json.JSONDecodeError as e:
             raise ValueError(f"{path} is not valid JSON ({e})") from None
-        cfg = ModelConfig.from_dict({**raw, **overrides}, source=path)
+        names = [f.name for f in dataclasses.fields(ModelConfig)]
+        for k in overrides:
+            if k not in names:
+                hint = difflib.get_close_matches(k, names, n=1)
+                raise TypeError(f"from_pretrained got unknown config override {k!r}" + (f"; did you mean {hint[0]!r}?" if hint else ""))
+        cfg = dataclasses.replace(ModelConfig.from_dict(raw, source=path), **overrides)
         if dtype is None:
             dtype = getattr(torch, str(raw.get("dtype") or raw.get("torch_dtype") or "float32"), None)
             if not isinstance(dtype, torch.dtype):

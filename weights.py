@@ -56,10 +56,14 @@ def read_header(path):
             header = json.loads(f.read(n))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise CheckpointError(f"{path} has a corrupt safetensors header ({e})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path} has a corrupt safetensors header (a JSON object was expected)")
     meta = header.pop("__metadata__", {}) or {}
     data_len = size - 8 - n
     for name, info in header.items():
-        if info.get("dtype") not in DTYPES:
+        if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= info.keys():
+            raise CheckpointError(f"{path}: the header entry for {name} lacks dtype, shape or data_offsets")
+        if info["dtype"] not in DTYPES:
             raise CheckpointError(f"{path}: tensor {name} has unsupported dtype {info.get('dtype')!r}")
         begin, end = info["data_offsets"]
         nbytes = int(np.prod(info["shape"], dtype=np.int64)) * DTYPES[info["dtype"]].itemsize
@@ -169,13 +173,25 @@ def open_checkpoint(directory):
             files.setdefault(fname, []).append(name)
         for fname, names in files.items():
             present = set(read_header(os.path.join(directory, fname))[0])
-            missing = [n for n in names if n not in present]
+            missing, unlisted = sorted(set(names) - present), sorted(present - set(names))
             if missing:
                 raise CheckpointError(f"{os.path.join(directory, fname)} lacks tensor {missing[0]} "
                                       f"that {INDEX_NAME} places there")
+            if unlisted:
+                raise CheckpointError(f"{os.path.join(directory, fname)} holds tensor {unlisted[0]} "
+                                      f"that {INDEX_NAME} does not list; the index and the shards disagree")
         return dict(sorted(files.items()))
+    if not os.path.isdir(directory):
+        raise CheckpointError(f"checkpoint directory {directory} does not exist")
     fnames = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))
     if not fnames:
         raise CheckpointError(f"{directory} holds no *.safetensors files; pass a directory written by "
                               f"save_pretrained or a downloaded GLM-5 checkpoint")
-    return {f: list(read_header(os.path.join(directory, f))[0]) for f in fnames}
+    files, seen = {}, {}
+    for fname in fnames:
+        files[fname] = list(read_header(os.path.join(directory, fname))[0])
+        for name in files[fname]:
+            if name in seen:
+                raise CheckpointError(f"tensor {name} is in both {seen[name]} and {fname} in {directory}; remove the stale shard")
+            seen[name] = fname
+    return files
