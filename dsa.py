@@ -13,9 +13,9 @@ The switch `IMPL` chooses how sparse attention runs:
     "masked"  runs dense attention with everything but the selection masked to -inf: the reference
 kernels.py plugs a Triton implementation in behind the same switch later.
 
-Honest limits: these are plain torch reference paths. The score matrix I is materialised as (B, T, S)
-and the gather as (B, T, K, 576), so memory grows with T*S and T*K; long-context speed comes from the
-kernels, not from this file. Run its tests with `python -m pytest tests/test_dsa.py`.
+Honest limits: these are plain torch reference paths. The index score passes through a
+(B, T, index_n_heads, S) fp32 intermediate and the gather is (B, T, K, 576), so memory grows with
+T*S*index_n_heads; long-context speed comes from Triton kernels (kernels.py, a later issue). Run its tests with `python -m pytest tests/test_dsa.py`.
 """
 
 import torch
@@ -62,7 +62,7 @@ class Indexer(nn.Module):
         q = self.wq_b(q_lat).view(B, T, self.n_heads, self.head_dim)
         q = self._rope_first(q, rope)
         k = self._rope_first(self.k_norm(self.wk(x)).unsqueeze(2), rope).squeeze(2)  # (B, T, Di)
-        w = upcast(self.weights_proj(x)) * self.n_heads ** -0.5  # (B, T, Hi)
+        w = F.linear(upcast(x), upcast(self.weights_proj.weight)) * self.n_heads ** -0.5  # fp32 (SPEC 4)  # (B, T, Hi)
         return upcast(q), k, w
 
     def score(self, q, w, k_all):

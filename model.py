@@ -19,7 +19,7 @@ Run it:
     python model.py configs/toy.py     # build, forward, backward, parameter table (seconds on a CPU)
     python model.py configs/full.py    # the 744B parameter table, instantly, on the meta device
 Honest limits: attention here is plain torch (SDPA for the dense path); the long-context speed of DSA
-and fast MoE come from kernels.py. The KV cache is one contiguous block per layer, not paged.
+and fast MoE are for Triton kernels (kernels.py, a later issue). The KV cache is one contiguous block per layer, not paged.
 """
 
 import dataclasses
@@ -84,6 +84,8 @@ class ModelConfig:
                 raise ValueError(f"ModelConfig: {msg}")
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
+            if f.type is float:
+                need(isinstance(v, (int, float)) and not isinstance(v, bool), f"{f.name} must be a number, got {v!r}")
             if f.type is int:
                 need(isinstance(v, int) and not isinstance(v, bool), f"{f.name} must be an int, got {v!r}")
             if f.type is int and f.name not in ("first_k_dense_replace", "num_nextn_predict_layers", "num_mtp_steps"):
@@ -111,7 +113,8 @@ class ModelConfig:
 
     # keys a published config.json may hold whose value we must check rather than ignore
     REQUIRED_VALUES = {"scoring_func": "sigmoid", "topk_method": "noaux_tc", "hidden_act": "silu",
-                       "moe_layer_freq": 1, "attention_bias": False}
+                       "moe_layer_freq": 1, "attention_bias": False, "rope_interleave": True,
+                       "indexer_rope_interleave": True}
 
     @classmethod
     def from_dict(cls, d, source="config"):
@@ -130,6 +133,8 @@ class ModelConfig:
                 d["rope_theta"] = rope["rope_theta"]
         if any(t != "full" for t in d.get("indexer_types") or []) or (d.get("index_topk_freq") or 1) > 1:
             raise ValueError(f"{source}: cross-layer indexer sharing (indexer_types / index_topk_freq) is not part of GLM-5 and not supported; every layer needs its own indexer")
+        if d.get("quantization_config"):
+            raise ValueError(f"{source}: quantized checkpoints (quantization_config) are not supported by from_pretrained; use the BF16 release")
         if d.get("q_lora_rank", 1) is None:
             raise ValueError(f"{source}: q_lora_rank is null (no query compression); GLM-5 compresses queries, give q_lora_rank")
         if isinstance(d.get("eos_token_id"), int):
@@ -218,13 +223,16 @@ class MLA(nn.Module):
 
     def forward(self, x, cos, sin, positions, cache=None, layer_id=0, form=None, aux=None):
         """x (B, T, D); positions (B, T). With a cache, this step's latents are written at `positions`
-        and attention runs over everything cached so far. form: "naive" | "absorb" (default: naive
-        without a cache, absorbed with one). aux: a dict collecting the indexer KL when training the indexer."""
+        and attention runs over everything cached so far. form: "naive" | "absorb" for dense attention and
+        the masked DSA reference (default: naive without a cache, absorbed with one; gathered DSA is always
+        absorbed). aux: a dict collecting the indexer KL when training the indexer."""
         c = self.cfg
         B, T, _ = x.shape
         H, C, R = c.num_attention_heads, c.kv_lora_rank, c.qk_rope_head_dim
         rope = lambda t: apply_rope(t, cos, sin)
         want_kl = aux is not None and "indexer_kl" in aux
+        if form not in (None, "naive", "absorb") or dsa.IMPL not in ("gather", "masked"):
+            raise ValueError(f"MLA form must be 'naive' or 'absorb' (got {form!r}) and dsa.IMPL 'gather' or 'masked' (got {dsa.IMPL!r})")
 
         # queries: q_lat = RMSNorm(q_a_proj(x)); q = q_b_proj(q_lat) per head [nope | rope]
         q_lat = self.q_a_layernorm(self.q_a_proj(x))  # (B, T, q_lora_rank)
@@ -252,26 +260,22 @@ class MLA(nn.Module):
             visible = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()[None]  # (1, T, T)
 
         # DSA: with no more visible tokens than index_topk, top-k keeps them all and sparse == dense
-        index_scores = iq is not None and (want_kl or (sparse and S > c.index_topk))
-        I = self.indexer.score(iq, iw, index_k_all) if index_scores else None  # (B, T, S)
         use_selection = sparse and S > c.index_topk
-        form = form or ("absorb" if cache is not None else "naive")
-        need_probs = want_kl
-
-        if use_selection and dsa.IMPL == "gather":
+        I = self.indexer.score(iq, iw, index_k_all) if (use_selection or want_kl) else None  # (B, T, S)
+        if use_selection:
             idx, valid = dsa.topk_select(I, visible, c.index_topk)  # (B, T, K)
+
+        if use_selection and dsa.IMPL == "gather":  # the real sparse path: absorbed form only
             w_uk, w_uv = self.w_uk_uv()
             q_abs = torch.einsum("bthd,hdc->bthc", q_nope, w_uk)  # (B, T, H, C)
             o_lat, probs = dsa.sparse_mla(q_abs, q_pe, latent_all, idx, valid, self.softmax_scale)
             o = torch.einsum("bthc,hvc->bthv", o_lat, w_uv)  # (B, T, H, v)
             if want_kl:
                 aux["indexer_kl"].append(dsa.indexer_kl(dsa.attention_target(probs, 2), I.gather(-1, idx), valid))
-        else:
-            mask = visible
-            if use_selection:  # the dense-masked reference of the same selection
-                idx, valid = dsa.topk_select(I, visible, c.index_topk)
-                mask = dsa.selection_mask(idx, valid, S)
-            o, probs = self.attend(q_nope, q_pe, latent_all, mask, form, need_probs)
+        else:  # dense attention, or the dense-masked reference of the same selection
+            mask = dsa.selection_mask(idx, valid, S) if use_selection else visible
+            form = form or ("absorb" if cache is not None else "naive")
+            o, probs = self.attend(q_nope, q_pe, latent_all, mask, form, need_probs=want_kl)
             if want_kl:
                 kl_mask = mask.expand(B, T, S)
                 aux["indexer_kl"].append(dsa.indexer_kl(dsa.attention_target(probs, 1), I, kl_mask))
@@ -336,10 +340,11 @@ class Router(nn.Module):
 
     def _apply(self, fn, recurse=True):
         # the correction bias stays fp32 whatever the model is cast to: its 1e-3 steps vanish in bf16
+        before = self.e_score_correction_bias
         super()._apply(fn, recurse)
-        b = self.e_score_correction_bias
-        if b.dtype not in (torch.float32, torch.float64):
-            self.e_score_correction_bias = b.float()
+        after = self.e_score_correction_bias
+        if after.dtype not in (torch.float32, torch.float64):  # put the exact fp32 values back, moved only
+            self.e_score_correction_bias = before.to(device=after.device, dtype=torch.float32)
         return self
 
     def forward(self, x):
@@ -362,7 +367,7 @@ class MoE(nn.Module):
         self.experts = nn.ModuleList(MLP(cfg.hidden_size, cfg.moe_intermediate_size) for _ in range(cfg.n_routed_experts))
         self.shared_experts = MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
         # tokens routed to each expert since the last bias update (the load statistics)
-        self.register_buffer("tokens_per_expert", torch.zeros(cfg.n_routed_experts), persistent=False)
+        self.register_buffer("tokens_per_expert", torch.zeros(cfg.n_routed_experts, dtype=torch.long), persistent=False)
 
     def forward(self, x, aux=None):
         B, T, D = x.shape
@@ -370,8 +375,8 @@ class MoE(nn.Module):
         flat = x.reshape(-1, D)
         ids, w, scores = self.gate(flat)  # (N, k), (N, k), (N, E)
         counts = torch.bincount(ids.flatten(), minlength=E)
-        if self.training:
-            self.tokens_per_expert += counts.detach().float()
+        if self.training and torch.is_grad_enabled():  # training steps only, not sampling mid-training
+            self.tokens_per_expert += counts
         # group the (token, slot) pairs by expert, then run each expert once over its tokens
         order = ids.flatten().argsort(stable=True)
         token_of, w_sorted = order // k, w.flatten()[order]
@@ -406,8 +411,9 @@ def update_router_bias(model, rate=1e-3):
         load = moe.tokens_per_expert
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.all_reduce(load)
-        moe.gate.e_score_correction_bias += rate * torch.sign(load.mean() - load)
-        load.zero_()
+        load = load.double()
+        moe.gate.e_score_correction_bias += rate * torch.sign(load.mean() - load).float()
+        moe.tokens_per_expert.zero_()
 
 
 def moe_load_stats(model):
@@ -470,6 +476,10 @@ class KVCache:
         """positions (B, T): each row's tokens land at their own positions (rows may differ in length)."""
         if int(positions.max()) >= self.max_seq_len:
             raise ValueError(f"position {int(positions.max())} is past the cache's max_seq_len {self.max_seq_len}; allocate a longer KVCache")
+        if positions.shape[0] > self.kv.shape[1]:
+            raise ValueError(f"a batch of {positions.shape[0]} rows does not fit a KVCache built for {self.kv.shape[1]}; build it with batch_size >= the batch")
+        if (latent.dtype, latent.device) != (self.kv.dtype, self.kv.device):
+            raise ValueError(f"KVCache holds {self.kv.dtype} on {self.kv.device} but the model computes {latent.dtype} on {latent.device}; pass the model's device and dtype to KVCache")
         rows = torch.arange(positions.shape[0], device=positions.device)[:, None]
         self.kv[layer_id][rows, positions] = latent.to(self.kv.dtype)
         self.index_k[layer_id][rows, positions] = index_k.to(self.index_k.dtype)
@@ -522,6 +532,8 @@ class GLM5(nn.Module):
         config.dsa_mode == "dense", sparse stage when "sparse")."""
         c = self.config
         B, T = input_ids.shape
+        if ((input_ids < 0) | (input_ids >= c.vocab_size)).any():
+            raise ValueError(f"input_ids must lie in [0, {c.vocab_size}) for this model's vocab_size; got values from {int(input_ids.min())} to {int(input_ids.max())}")
         positions = torch.arange(T, device=input_ids.device)[None] + torch.as_tensor(start_pos, device=input_ids.device).view(-1, 1)
         positions = positions.expand(B, T)  # (B, T)
         cos, sin = rope_cos_sin(positions, c.qk_rope_head_dim, c.rope_theta, upcast(self.lm_head.weight).dtype)
@@ -709,14 +721,20 @@ def param_table(model):
 
 
 def load_config_file(path):
-    """Execute a configs/*.py file; -> (ModelConfig from the keys that name its fields, the other keys)."""
+    """Execute a configs/*.py file; -> (ModelConfig from the keys that name its fields, the other keys).
+    The other keys are left for train.py to check; only near-misses of model fields are caught here."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"config file {path} not found; try one of configs/toy.py, configs/small.py, configs/full.py")
     scope = {}
     exec(open(path).read(), scope)
     keys = {k: v for k, v in scope.items() if not k.startswith("_") and not callable(v) and not isinstance(v, type(sys))}
-    names = {f.name for f in dataclasses.fields(ModelConfig)}
-    return ModelConfig(**{k: v for k, v in keys.items() if k in names}), {k: v for k, v in keys.items() if k not in names}
+    names = [f.name for f in dataclasses.fields(ModelConfig)]
+    rest = {k: v for k, v in keys.items() if k not in names}
+    for k in rest:  # a near-miss of a model field is a typo, not a training key
+        hint = difflib.get_close_matches(k, names, n=1, cutoff=0.85)
+        if hint:
+            raise ValueError(f"{path}: unknown key {k!r}; did you mean {hint[0]!r}?")
+    return ModelConfig(**{k: v for k, v in keys.items() if k in names}), rest
 
 
 if __name__ == "__main__":

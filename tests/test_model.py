@@ -151,16 +151,14 @@ def test_bias_updates_move_load_toward_balance():
 
     def imbalance():  # max / mean tokens per expert over a few batches
         moe.tokens_per_expert.zero_()
-        with torch.no_grad():
-            for _ in range(4):
-                moe(batch())
-        load = moe.tokens_per_expert
+        for _ in range(4):  # loads are counted in training forwards (grad enabled)
+            moe(batch())
+        load = moe.tokens_per_expert.float()
         return (load.max() / load.mean()).item()
 
     before = imbalance()
     for rate in [0.01] * 200 + [0.002] * 200:  # a coarse then a fine phase (sign updates oscillate by ~rate)
-        with torch.no_grad():
-            moe(batch())
+        moe(batch())
         model.update_router_bias(moe, rate=rate)
     after = imbalance()
     assert before > 2.0, before
@@ -222,3 +220,36 @@ def test_toy_model_overfits_a_batch_in_seconds():
             first = losses["lm"].item()
     assert first > 3.5 and losses["lm"].item() < 0.3, (first, losses["lm"].item())
     assert time.time() - t0 < 60
+
+
+def test_user_errors_are_clear(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("hiden_size = 128\nblock_size = 64\n")
+    with pytest.raises(ValueError, match="unknown key 'hiden_size'; did you mean 'hidden_size'"):
+        model.load_config_file(str(bad))
+    with pytest.raises(ValueError, match="rms_norm_eps must be a number"):
+        tiny_config(rms_norm_eps="1e-5")
+    m = model.GLM5(tiny_config())
+    with pytest.raises(ValueError, match=r"input_ids must lie in \[0, 97\)"):
+        m(torch.tensor([[1, 97]]))
+    with pytest.raises(ValueError, match="pass the model's device and dtype"):
+        m(torch.tensor([[1, 2]]), cache=model.KVCache(m.config, 1, 8, dtype=torch.float64))
+    with pytest.raises(ValueError, match="batch_size >= the batch"):
+        m(torch.tensor([[1], [2]]), cache=model.KVCache(m.config, 1, 8))
+    with pytest.raises(ValueError, match="dsa.IMPL"):
+        m(torch.tensor([[1, 2]]), form="absorbed")
+
+
+def test_bf16_cast_keeps_router_bias_and_load_counts_exact():
+    m = model.GLM5(tiny_config()).train()
+    gate = m.model.layers[1].mlp.gate
+    bias = torch.randn(8) * 0.0123
+    gate.e_score_correction_bias.copy_(bias)
+    m.to(torch.bfloat16)
+    assert gate.e_score_correction_bias.dtype == torch.float32 and torch.equal(gate.e_score_correction_bias, bias)
+    moe = m.model.layers[1].mlp
+    moe.tokens_per_expert.fill_(4096)
+    m(torch.randint(0, 97, (1, 8)), torch.randint(0, 97, (1, 8)))
+    assert moe.tokens_per_expert.sum() == 8 * 4096 + 8 * 2  # integer counts: nothing rounds away
+    m.generate(torch.randint(0, 97, (1, 4)), 3)  # sampling in train mode must not count as load
+    assert moe.tokens_per_expert.sum() == 8 * 4096 + 8 * 2
