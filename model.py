@@ -221,16 +221,16 @@ class MLA(nn.Module):
         w = self.kv_b_proj.weight.view(c.num_attention_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
         return w.split([c.qk_nope_head_dim, c.v_head_dim], dim=1)
 
-    def forward(self, x, cos, sin, positions, cache=None, layer_id=0, form=None, aux=None):
+    def forward(self, x, cos, sin, positions, cache=None, layer_id=0, form=None, want_kl=False):
         """x (B, T, D); positions (B, T). With a cache, this step's latents are written at `positions`
         and attention runs over everything cached so far. form: "naive" | "absorb" for dense attention and
         the masked DSA reference (default: naive without a cache, absorbed with one; gathered DSA is always
-        absorbed). aux: a dict collecting the indexer KL when training the indexer."""
+        absorbed). want_kl: also return the indexer's KL to this attention (else None).
+        Returns (out (B, T, D), kl)."""
         c = self.cfg
         B, T, _ = x.shape
         H, C, R = c.num_attention_heads, c.kv_lora_rank, c.qk_rope_head_dim
         rope = lambda t: apply_rope(t, cos, sin)
-        want_kl = aux is not None and "indexer_kl" in aux
         if form not in (None, "naive", "absorb") or dsa.IMPL not in ("gather", "masked"):
             raise ValueError(f"MLA form must be 'naive' or 'absorb' (got {form!r}) and dsa.IMPL 'gather' or 'masked' (got {dsa.IMPL!r})")
 
@@ -271,15 +271,14 @@ class MLA(nn.Module):
             o_lat, probs = dsa.sparse_mla(q_abs, q_pe, latent_all, idx, valid, self.softmax_scale)
             o = torch.einsum("bthc,hvc->bthv", o_lat, w_uv)  # (B, T, H, v)
             if want_kl:
-                aux["indexer_kl"].append(dsa.indexer_kl(dsa.attention_target(probs, 2), I.gather(-1, idx), valid))
+                kl = dsa.indexer_kl(dsa.attention_target(probs, 2), I.gather(-1, idx), valid)
         else:  # dense attention, or the dense-masked reference of the same selection
             mask = dsa.selection_mask(idx, valid, S) if use_selection else visible
             form = form or ("absorb" if cache is not None else "naive")
             o, probs = self.attend(q_nope, q_pe, latent_all, mask, form, need_probs=want_kl)
             if want_kl:
-                kl_mask = mask.expand(B, T, S)
-                aux["indexer_kl"].append(dsa.indexer_kl(dsa.attention_target(probs, 1), I, kl_mask))
-        return self.o_proj(o.reshape(B, T, H * c.v_head_dim))
+                kl = dsa.indexer_kl(dsa.attention_target(probs, 1), I, mask.expand(B, T, S))
+        return self.o_proj(o.reshape(B, T, H * c.v_head_dim)), (kl if want_kl else None)
 
     def attend(self, q_nope, q_pe, latent, mask, form, need_probs):
         """Dense MLA over `latent` (B, S, C + R) under `mask` (B or 1, T, S). Returns o (B, T, H, v)
@@ -369,7 +368,8 @@ class MoE(nn.Module):
         # tokens routed to each expert since the last bias update (the load statistics)
         self.register_buffer("tokens_per_expert", torch.zeros(cfg.n_routed_experts, dtype=torch.long), persistent=False)
 
-    def forward(self, x, aux=None):
+    def forward(self, x, want_balance=False):
+        """x (B, T, D) -> (y (B, T, D), the sequence balance loss or None)."""
         B, T, D = x.shape
         E, k = self.cfg.n_routed_experts, self.cfg.num_experts_per_tok
         flat = x.reshape(-1, D)
@@ -383,13 +383,13 @@ class MoE(nn.Module):
         y = torch.zeros_like(flat)
         start = 0
         for e, n in enumerate(counts.tolist()):
-            if n:
-                tok = token_of[start:start + n]
-                y.index_add_(0, tok, (self.experts[e](flat[tok]) * w_sorted[start:start + n, None]).to(y.dtype))
-                start += n
-        if aux is not None and "balance" in aux:
-            aux["balance"].append(sequence_balance_loss(scores.view(B, T, E), ids.view(B, T, k), E))
-        return (y + self.shared_experts(flat)).view(B, T, D)
+            # an expert with no tokens still runs (on an empty batch) so its gradient is zeros, not None:
+            # FSDP2 ranks must agree on which gradients exist
+            tok = token_of[start:start + n]
+            y.index_add_(0, tok, (self.experts[e](flat[tok]) * w_sorted[start:start + n, None]).to(y.dtype))
+            start += n
+        balance = sequence_balance_loss(scores.view(B, T, E), ids.view(B, T, k), E) if want_balance else None
+        return (y + self.shared_experts(flat)).view(B, T, D), balance
 
 
 def sequence_balance_loss(scores, ids, E):
@@ -435,10 +435,16 @@ class Block(nn.Module):
         dense = layer_id < cfg.first_k_dense_replace
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size) if dense else MoE(cfg)
 
-    def forward(self, x, cos, sin, positions, cache=None, form=None, aux=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, cache, self.layer_id, form, aux)
+    def forward(self, x, cos, sin, positions, cache=None, form=None, want_balance=False, want_kl=False):
+        """-> (x, balance loss or None, indexer KL or None). The aux losses are returned, not collected
+        in a shared container, so they survive FSDP2's wrapping of each block."""
+        a, kl = self.self_attn(self.input_layernorm(x), cos, sin, positions, cache, self.layer_id, form, want_kl)
+        x = x + a
         h = self.post_attention_layernorm(x)
-        return x + (self.mlp(h, aux) if isinstance(self.mlp, MoE) else self.mlp(h))
+        if isinstance(self.mlp, MoE):
+            m, balance = self.mlp(h, want_balance)
+            return x + m, balance, kl
+        return x + self.mlp(h), None, kl
 
 
 class SharedHead(nn.Module):  # checkpoint: model.layers.{L}.shared_head.norm (the head itself is lm_head)
@@ -457,9 +463,11 @@ class MTPBlock(Block):
         self.eh_proj = Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.shared_head = SharedHead(cfg)
 
-    def forward(self, h, emb, cos, sin, positions, cache=None, form=None, aux=None):
+    def forward(self, h, emb, cos, sin, positions, cache=None, form=None, want_balance=False, want_kl=False):
+        """-> (h' for the next MTP step, shared_head.norm(h') for the shared lm_head, balance, kl)."""
         x = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(h)], dim=-1))
-        return super().forward(x, cos, sin, positions, cache, form, aux)
+        x, balance, kl = super().forward(x, cos, sin, positions, cache, form, want_balance, want_kl)
+        return x, self.shared_head.norm(x), balance, kl
 
 
 class KVCache:
@@ -537,31 +545,36 @@ class GLM5(nn.Module):
         positions = torch.arange(T, device=input_ids.device)[None] + torch.as_tensor(start_pos, device=input_ids.device).view(-1, 1)
         positions = positions.expand(B, T)  # (B, T)
         cos, sin = rope_cos_sin(positions, c.qk_rope_head_dim, c.rope_theta, upcast(self.lm_head.weight).dtype)
-        aux = None
-        if targets is not None:
-            aux = {"balance": []} if self.training else {}
-            if indexer_kl:
-                aux["indexer_kl"] = []
+        want_balance = targets is not None and self.training
+        want_kl = targets is not None and indexer_kl
+        balances, kls = [], []  # per-layer aux losses, returned by each block
         h = self.model.embed_tokens(input_ids)
         for layer in self.model.layers:
-            h = layer(h, cos, sin, positions, cache, form, aux)
+            h, balance, kl = layer(h, cos, sin, positions, cache, form, want_balance, want_kl)
+            balances.append(balance)
+            kls.append(kl)
         logits = self.lm_head(self.model.norm(h))
         if targets is None:
             return logits
 
         zero = logits.new_zeros((), dtype=torch.float32)
         losses = {"lm": F.cross_entropy(upcast(logits).flatten(0, 1), targets.flatten(), ignore_index=-1)}
-        losses["mtp"] = self.mtp_loss(h, input_ids, targets, cos, sin, positions, aux) if mtp_weight else zero
-        losses["balance"] = torch.stack(aux["balance"]).sum() if aux.get("balance") else zero
-        losses["indexer_kl"] = torch.stack(aux["indexer_kl"]).mean() if aux.get("indexer_kl") else zero
+        losses["mtp"] = zero
+        if mtp_weight:
+            losses["mtp"] = self.mtp_loss(h, input_ids, targets, cos, sin, positions, want_balance, want_kl, balances, kls)
+        balances, kls = [b for b in balances if b is not None], [k for k in kls if k is not None]
+        losses["balance"] = torch.stack(balances).sum() if balances else zero
+        losses["indexer_kl"] = torch.stack(kls).mean() if kls else zero
         losses["loss"] = (losses["lm"] + mtp_weight * losses["mtp"] + balance_weight * losses["balance"]
                           + indexer_kl_weight * losses["indexer_kl"])
         return logits, losses
 
-    def mtp_loss(self, h, input_ids, targets, cos, sin, positions, aux=None):
+    def mtp_loss(self, h, input_ids, targets, cos, sin, positions, want_balance=False, want_kl=False,
+                 balances=None, kls=None):
         """Mean over num_mtp_steps of the cross-entropy of MTP step k predicting token t_{i+k+1}.
         Step k at position i sees h^{k-1}_i (h^0 = the main stack's last hidden state) and embed(t_{i+k});
-        all steps share one block's weights (GLM-5: 1 block, 3 steps)."""
+        all steps share one block's weights (GLM-5: 1 block, 3 steps). The block's aux losses are
+        appended to `balances` / `kls`."""
         c = self.config
         T = input_ids.shape[1]
         steps = min(c.num_mtp_steps, T - 1) if self.mtp_layers else 0
@@ -572,8 +585,12 @@ class GLM5(nn.Module):
             block = self.mtp_layers[min(k - 1, len(self.mtp_layers) - 1)]
             n = T - k
             emb = self.model.embed_tokens(input_ids[:, k:])  # embed(t_{i+k}), (B, n, D)
-            h = block(h[:, :n], emb, cos[:, :n], sin[:, :n], positions[:, :n], aux=aux)
-            logits = self.lm_head(block.shared_head.norm(h))
+            h, h_norm, balance, kl = block(h[:, :n], emb, cos[:, :n], sin[:, :n], positions[:, :n],
+                                           want_balance=want_balance, want_kl=want_kl)
+            if balances is not None:
+                balances.append(balance)
+                kls.append(kl)
+            logits = self.lm_head(h_norm)
             total = total + F.cross_entropy(upcast(logits).flatten(0, 1), targets[:, k:].flatten(), ignore_index=-1)
         return total / steps
 
