@@ -334,5 +334,7 @@ def _fsdp2_check(rank, world, mesh, seed):
 def test_dtensor_and_fsdp2_steps_equal_the_whole_matrix_steps():
     import torch.multiprocessing as mp
 
+    # the assertions run in the two workers; an AssertionError (or a 60 s collective timeout) in either
+    # rank makes mp.spawn raise, which fails this test
     with tempfile.TemporaryDirectory() as d:
         mp.spawn(_dtensor_worker, args=(2, os.path.join(d, "init"), torch.seed() % 2**31), nprocs=2, join=True)
