@@ -1,0 +1,249 @@
+"""
+The tokenizer: our own byte-level BPE, trained by this project, encoded and decoded through tiktoken.
+
+GLM-5 ships a 154,880-token BPE; the toy model has vocab_size = 4096, so we train a small BPE of the
+same kind on our own corpus (the Python standard library, data.py) instead of borrowing one:
+
+    text -> regex pre-tokenizer (GPT-4 style split) -> chunks -> bytes -> BPE merges -> token ids
+
+- train_bpe: the 256 single bytes get ranks 0..255, then the most frequent adjacent pair (counted over
+  unique chunks weighted by frequency) is merged again and again; pair counts are updated incrementally
+  and ties go to the smallest pair of ids, so training is deterministic and takes seconds.
+- The result is tiktoken's `mergeable_ranks` (token bytes -> rank): tiktoken encodes by repeatedly
+  merging the adjacent pair whose concatenation has the lowest rank, which replays our merges in order.
+- Special tokens for the chat format (SPEC section 9) take the ids right after the ranks.
+- get_tokenizer trains once on a sample of the corpus and caches a small JSON file; re-runs load it.
+
+Run it:
+    python tokenizer.py            # train the toy (4096) tokenizer, print time, compression, a round trip
+Honest limits: training is pure Python (fine for a few MB and a few thousand merges, not for a 150k vocab
+on gigabytes); the pre-tokenizer is the GPT-4 regex with numbers split into 1-2 digits, not GLM's own.
+"""
+
+import base64
+import collections
+import hashlib
+import heapq
+import json
+import os
+import sys
+import time
+
+import regex
+import tiktoken
+
+# -----------------------------------------------------------------------------
+# Pre-tokenizer and special tokens
+
+# GPT-4 (cl100k) split pattern, with numbers in groups of at most two digits (a small vocab wastes fewer
+# tokens on 3-digit numbers). The same string is tiktoken's pat_str, so training and encoding agree.
+SPLIT_PATTERN = (
+    r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,2}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"""
+)
+
+# The chat format of SPEC section 9 (names as in GLM's chat template); ids follow the mergeable ranks.
+SPECIAL_TOKENS = [
+    "<|endoftext|>",  # end of a document in pretraining, end of a conversation in chat
+    "<|system|>",
+    "<|user|>",
+    "<|assistant|>",
+    "<|observation|>",  # a tool result
+    "<think>",
+    "</think>",
+    "<tool_call>",
+    "</tool_call>",
+]
+
+# -----------------------------------------------------------------------------
+# BPE training
+
+
+def train_bpe(text, vocab_size, pattern=SPLIT_PATTERN):
+    """Learn byte-level BPE merges; returns tiktoken's mergeable_ranks {token bytes: rank}, len == vocab_size.
+
+    text: a string or an iterable of strings (documents; chunks never cross a document boundary).
+    """
+    assert vocab_size >= 256, "vocab_size must be at least 256 (the single bytes)"
+    texts = [text] if isinstance(text, str) else text
+    split = regex.compile(pattern)
+    chunk_counts = collections.Counter()
+    for t in texts:
+        chunk_counts.update(split.findall(t))
+    # Unique chunks as lists of token ids with their frequencies; sorted so the order is deterministic.
+    words = [list(c.encode("utf-8")) for c in sorted(chunk_counts)]
+    freqs = [chunk_counts[c] for c in sorted(chunk_counts)]
+
+    vocab = [bytes([i]) for i in range(256)]  # id -> bytes; the id is the rank
+    ranks = {b: i for i, b in enumerate(vocab)}
+    pair_counts = collections.defaultdict(int)  # (a, b) -> weighted count
+    where = collections.defaultdict(set)  # (a, b) -> indices of words that may contain it
+    for wi, (w, f) in enumerate(zip(words, freqs)):
+        for pair in zip(w, w[1:]):
+            pair_counts[pair] += f
+            where[pair].add(wi)
+    # Max-heap of (-count, pair) with lazy deletion: an entry is live only if its count is still current.
+    # The pair tuple breaks ties, so equal counts always pick the smallest (a, b).
+    heap = [(-c, p) for p, c in pair_counts.items()]
+    heapq.heapify(heap)
+
+    while len(vocab) < vocab_size and heap:
+        neg, pair = heapq.heappop(heap)
+        if pair_counts.get(pair, 0) != -neg or neg == 0:
+            continue  # stale entry
+        a, b = pair
+        merged = vocab[a] + vocab[b]
+        # Two different pairs could spell the same bytes (ab+c, a+bc); tiktoken keys tokens by bytes, so a
+        # second one would reuse the existing id and cost no rank (never seen on real text; kept for safety).
+        new = ranks.get(merged)
+        if new is None:
+            new = len(vocab)
+            vocab.append(merged)
+            ranks[merged] = new
+        delta = collections.defaultdict(int)
+        for wi in sorted(where.pop(pair)):
+            w, f = words[wi], freqs[wi]
+            out, i, changed = [], 0, False
+            while i < len(w):
+                if i + 1 < len(w) and w[i] == a and w[i + 1] == b:
+                    out.append(new)
+                    i += 2
+                    changed = True
+                else:
+                    out.append(w[i])
+                    i += 1
+            if not changed:
+                continue  # `where` is a superset: the pair was merged away earlier in this word
+            for p in zip(w, w[1:]):
+                delta[p] -= f
+            for p in zip(out, out[1:]):
+                delta[p] += f
+                where[p].add(wi)
+            words[wi] = out
+        for p, d in delta.items():
+            if d:
+                pair_counts[p] += d
+                heapq.heappush(heap, (-pair_counts[p], p))
+        pair_counts.pop(pair, None)
+    return ranks
+
+
+# -----------------------------------------------------------------------------
+# The Tokenizer: tiktoken does the encoding, we keep the ranks
+
+
+class Tokenizer:
+    def __init__(self, mergeable_ranks, pattern=SPLIT_PATTERN, special_tokens=SPECIAL_TOKENS, name="nanoglm"):
+        self.mergeable_ranks = dict(mergeable_ranks)
+        self.pattern = pattern
+        n = len(self.mergeable_ranks)
+        self.special_tokens = {s: n + i for i, s in enumerate(special_tokens)}
+        self.enc = tiktoken.Encoding(name=f"{name}_{n + len(special_tokens)}", pat_str=pattern,
+                                     mergeable_ranks=self.mergeable_ranks, special_tokens=self.special_tokens)
+        self.vocab_size = self.enc.n_vocab
+        self.eot_id = self.special_tokens["<|endoftext|>"]
+
+    def encode(self, text, allowed_special=()):
+        """Text -> ids. Special-token strings are plain text unless named in allowed_special ("all" for all)."""
+        allowed = allowed_special if allowed_special == "all" else set(allowed_special)
+        return self.enc.encode(text, allowed_special=allowed, disallowed_special=())
+
+    def encode_ordinary(self, text):
+        return self.enc.encode_ordinary(text)
+
+    def encode_ordinary_batch(self, texts, num_threads=8):
+        return self.enc.encode_ordinary_batch(texts, num_threads=num_threads)
+
+    def decode(self, ids):
+        return self.enc.decode(list(ids))
+
+    def encode_chat_token(self, name):
+        """The id of one special token, e.g. encode_chat_token("<|assistant|>")."""
+        if name not in self.special_tokens:
+            raise KeyError(f"{name!r} is not a special token; the chat tokens are {SPECIAL_TOKENS}.")
+        return self.special_tokens[name]
+
+    @property
+    def hash(self):
+        """A short fingerprint of everything that decides the ids (data.py stores it in its meta)."""
+        return hashlib.sha256(self._payload().encode()).hexdigest()[:16]
+
+    # --- persistence: one small JSON file, ranks as base64 in rank order (like tiktoken's .tiktoken files)
+
+    def _payload(self):
+        by_rank = sorted(self.mergeable_ranks.items(), key=lambda kv: kv[1])
+        assert [r for _, r in by_rank] == list(range(len(by_rank))), "ranks must be 0..n-1"
+        return json.dumps({"format": "nanoglm-bpe-1", "pattern": self.pattern,
+                           "special_tokens": list(self.special_tokens),
+                           "ranks": [base64.b64encode(b).decode("ascii") for b, _ in by_rank]})
+
+    def save(self, path):
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            f.write(self._payload())
+        os.replace(tmp, path)  # atomic: a reader sees the old file or the whole new one
+
+    @classmethod
+    def load(cls, path):
+        try:
+            with open(path) as f:
+                d = json.load(f)
+            assert d["format"] == "nanoglm-bpe-1"
+            ranks = {base64.b64decode(s, validate=True): i for i, s in enumerate(d["ranks"])}
+            assert len(ranks) == len(d["ranks"])
+            return cls(ranks, pattern=d["pattern"], special_tokens=d["special_tokens"])
+        except FileNotFoundError:
+            raise FileNotFoundError(f"No tokenizer file at {path}; train one with get_tokenizer() "
+                                    f"or `python tokenizer.py`.") from None
+        except Exception as e:
+            raise ValueError(f"Tokenizer file {path} is corrupt or not ours ({type(e).__name__}); "
+                             f"delete it and it will be retrained.") from None
+
+
+# -----------------------------------------------------------------------------
+# Train once, cache
+
+
+def get_tokenizer(vocab_size=4096, cache_dir="data", sample_bytes=4_000_000, text=None, verbose=True):
+    """The project tokenizer with `vocab_size` ids in total (merges + specials), trained once and cached.
+
+    Trained on about `sample_bytes` of the default corpus (data.py), or on `text` if given.
+    """
+    path = os.path.join(cache_dir, f"tokenizer_{vocab_size}.json")
+    if os.path.exists(path):
+        tok = Tokenizer.load(path)
+        assert tok.vocab_size == vocab_size, f"{path} holds {tok.vocab_size} ids, not {vocab_size}"
+        return tok
+    if text is None:
+        import data  # the corpus lives in data.py; imported here because data.py imports this file
+
+        text = data.corpus_sample(sample_bytes)
+    t0 = time.time()
+    ranks = train_bpe(text, vocab_size - len(SPECIAL_TOKENS))
+    tok = Tokenizer(ranks)
+    if verbose:
+        n = len(text) if isinstance(text, str) else sum(map(len, text))
+        print(f"trained BPE: {vocab_size} ids on {n / 1e6:.1f}M characters in {time.time() - t0:.1f}s -> {path}",
+              file=sys.stderr)
+    tok.save(path)
+    return tok
+
+
+if __name__ == "__main__":
+    import data
+
+    vocab_size = int(sys.argv[1]) if len(sys.argv) > 1 else 4096
+    sample = data.corpus_sample(4_000_000)
+    n_bytes = sum(len(t.encode()) for t in sample)
+    t0 = time.time()
+    ranks = train_bpe(sample, vocab_size - len(SPECIAL_TOKENS))
+    dt = time.time() - t0
+    tok = Tokenizer(ranks)
+    n_tok = sum(len(ids) for ids in tok.encode_ordinary_batch(sample))
+    print(f"train_bpe: {len(ranks)} ranks + {len(SPECIAL_TOKENS)} specials = {tok.vocab_size} ids, "
+          f"{n_bytes / 1e6:.2f} MB sample, {dt:.1f}s")
+    print(f"compression on the training sample: {n_bytes / n_tok:.2f} bytes/token")
+    s = "def hello(name):\n    return f'hi {name} 👋'\n"
+    ids = tok.encode(s)
+    print(f"{len(ids)} tokens: {[tok.decode([i]) for i in ids]}")
+    assert tok.decode(ids) == s
