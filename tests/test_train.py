@@ -1,0 +1,218 @@
+"""train.py end to end on a CPU: config errors, kill -9 and exact resume, atomic checkpoints, the DSA warm-up
+stage freezing everything but the indexers. Each run is a subprocess with a tiny GLM-5 (seconds each)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+TINY = ["configs/toy.py", "--hidden_size=32", "--intermediate_size=64", "--moe_intermediate_size=16",
+        "--num_hidden_layers=2", "--num_attention_heads=2", "--num_key_value_heads=2", "--q_lora_rank=16",
+        "--kv_lora_rank=16", "--qk_nope_head_dim=8", "--qk_rope_head_dim=8", "--v_head_dim=8",
+        "--n_routed_experts=4", "--num_experts_per_tok=2", "--index_topk=8", "--index_n_heads=2",
+        "--index_head_dim=8", "--block_size=32", "--batch_size=2", "--eval_iters=1", "--sample_tokens=4",
+        "--warmup_iters=2", "--device=cpu"]
+N, K = 12, 3  # steps in a run, checkpoint interval
+ENV = dict(os.environ, OMP_NUM_THREADS="2", PYTHONUNBUFFERED="1")
+
+
+def cmd(*args):
+    return [sys.executable, "train.py", *TINY, *args]
+
+
+def run(*args, check=True):
+    r = subprocess.run(cmd(*args), cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    if check:
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    return r
+
+
+def step_losses(path, after_last_resume=False):
+    """{step: (loss, lm, mtp, balance, indexer_kl)} from metrics.jsonl (train records only)."""
+    recs = [json.loads(line) for line in open(path)]
+    if after_last_resume:
+        last = max(i for i, r in enumerate(recs) if r.get("event") == "resume")
+        recs = recs[last + 1:]
+    return {r["step"]: tuple(r[k] for k in ("loss", "lm", "mtp", "balance", "indexer_kl"))
+            for r in recs if "loss" in r}
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory):
+    """One uninterrupted pretraining run of N steps: its metrics and its final checkpoint."""
+    out = tmp_path_factory.mktemp("a")
+    run(f"--out_dir={out}", f"--max_iters={N}", f"--eval_interval={K}")
+    return out
+
+
+# -----------------------------------------------------------------------------
+# Config errors: one clear sentence, nonzero exit
+
+
+def test_unknown_key_on_command_line():
+    r = run("--max_iter=5", check=False)
+    assert r.returncode != 0
+    assert "'max_iter'" in r.stderr and "did you mean 'max_iters'" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_unknown_key_in_config_file(tmp_path):
+    cfg = tmp_path / "bad.py"
+    cfg.write_text("batch_size = 2\ngrad_acum = 2\n")
+    r = subprocess.run([sys.executable, "train.py", str(cfg)], cwd=ROOT, env=ENV, capture_output=True, text=True)
+    assert r.returncode != 0
+    assert "'grad_acum'" in r.stderr and "did you mean 'grad_accum'" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    cfg.write_text("hiden_size = 64\n")  # a near-miss of a model field
+    r = subprocess.run([sys.executable, "train.py", str(cfg)], cwd=ROOT, env=ENV, capture_output=True, text=True)
+    assert r.returncode != 0 and "'hiden_size'" in r.stderr and "'hidden_size'" in r.stderr, r.stderr
+
+
+def test_wrong_type_and_bad_values():
+    for arg, words in (("--max_iters=abc", ["max_iters", "int"]), ("--lr_muon=True", ["lr_muon", "float"]),
+                       ("--hidden_size=3.5", ["hidden_size", "int"]), ("--stage=rl", ["stage", "dsa_warmup"]),
+                       ("--device=tpu", ["tpu", "not supported"])):
+        r = run(arg, check=False)
+        assert r.returncode != 0 and "Traceback" not in r.stderr, (arg, r.stderr)
+        assert all(w in r.stderr for w in words), (arg, r.stderr)
+
+
+def test_resume_without_checkpoint(tmp_path):
+    r = run(f"--out_dir={tmp_path}", "--resume=True", "--max_iters=2", check=False)
+    assert r.returncode != 0 and "no checkpoint" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+# -----------------------------------------------------------------------------
+# Kill -9 after a checkpoint, resume, and get exactly the uninterrupted losses
+
+
+def test_kill_and_resume_is_exact(pretrained, tmp_path):
+    a = step_losses(pretrained / "metrics.jsonl")
+    assert sorted(a) == list(range(1, N + 1))
+    p = subprocess.Popen(cmd(f"--out_dir={tmp_path}", f"--max_iters={N}", f"--eval_interval={K}"), cwd=ROOT, env=ENV,
+                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    for line in p.stdout:
+        if line.startswith(f"saved checkpoint step {K} "):
+            os.kill(p.pid, signal.SIGKILL)
+            break
+    p.wait()
+    assert p.returncode == -signal.SIGKILL, "the run finished before it could be killed"
+    k = torch.load(tmp_path / "ckpt.pt", weights_only=False)["step"]
+    assert K <= k < N
+    b_before = step_losses(tmp_path / "metrics.jsonl")
+    assert all(b_before[s] == a[s] for s in range(1, k + 1))
+    r = run(f"--out_dir={tmp_path}", f"--max_iters={N}", f"--eval_interval={K}", "--resume=True")
+    assert f"resumed from {tmp_path / 'ckpt.pt'} at step {k}" in r.stdout
+    b = step_losses(tmp_path / "metrics.jsonl", after_last_resume=True)
+    assert sorted(b) == list(range(k + 1, N + 1))
+    for s in b:
+        assert b[s] == a[s], f"step {s}: resumed {b[s]} != uninterrupted {a[s]}"
+    # and the final weights agree bit for bit
+    wa = torch.load(pretrained / "ckpt.pt", weights_only=False)["model"]
+    wb = torch.load(tmp_path / "ckpt.pt", weights_only=False)["model"]
+    assert all(torch.equal(wa[n], wb[n]) for n in wa)
+
+
+# -----------------------------------------------------------------------------
+# Atomic checkpoints
+
+
+def test_interrupted_write_keeps_the_good_checkpoint(tmp_path, monkeypatch):
+    import train
+
+    good = {"step": 3, "w": torch.arange(10)}
+    train.save_checkpoint(good, str(tmp_path))
+    assert not (tmp_path / "ckpt.pt.tmp").exists()
+
+    real_save = torch.save
+
+    def dies_halfway(obj, f):  # write part of the new checkpoint, then "crash"
+        real_save({"step": 6, "w": torch.zeros(100000)}, f)
+        f.truncate(f.tell() // 2)
+        raise KeyboardInterrupt("power cut")
+
+    monkeypatch.setattr(torch, "save", dies_halfway)
+    with pytest.raises(KeyboardInterrupt):
+        train.save_checkpoint({"step": 6}, str(tmp_path))
+    monkeypatch.setattr(torch, "save", real_save)
+    assert (tmp_path / "ckpt.pt.tmp").exists()  # the torn file is left aside, never renamed
+    back = torch.load(tmp_path / "ckpt.pt", weights_only=False)
+    assert back["step"] == 3 and torch.equal(back["w"], good["w"])
+
+
+def test_resume_ignores_stale_tmp(pretrained, tmp_path):
+    import shutil
+
+    shutil.copy(pretrained / "ckpt.pt", tmp_path / "ckpt.pt")
+    (tmp_path / "ckpt.pt.tmp").write_bytes(b"torn half of a checkpoint")
+    (tmp_path / "metrics.jsonl").write_text("")
+    r = run(f"--out_dir={tmp_path}", f"--max_iters={N + 1}", f"--eval_interval={K}", "--resume=True")
+    assert f"at step {N}" in r.stdout and f"step {N + 1} | loss" in r.stdout
+    assert torch.load(tmp_path / "ckpt.pt", weights_only=False)["step"] == N + 1
+
+
+# -----------------------------------------------------------------------------
+# Stages
+
+
+def test_dsa_warmup_trains_only_the_indexers(pretrained, tmp_path):
+    start = torch.load(pretrained / "ckpt.pt", weights_only=False)["model"]
+    r = run(f"--out_dir={tmp_path}", "--stage=dsa_warmup", f"--init_from={pretrained / 'ckpt.pt'}",
+            "--max_iters=3", "--eval_interval=3", "--lr_muon=5e-3", "--lr_adamw=5e-3")
+    kl = [v[4] for v in step_losses(tmp_path / "metrics.jsonl").values()]
+    assert all(x > 0 for x in kl), r.stdout
+    end = torch.load(tmp_path / "ckpt.pt", weights_only=False)
+    assert end["config"]["model"]["dsa_mode"] == "dense"
+    end = end["model"]
+    indexer = [n for n in start if ".indexer." in n]
+    assert indexer and len(indexer) < len(start)
+    n_trainable = sum(start[n].numel() for n in indexer)
+    assert f"{n_trainable:,} trainable in stage dsa_warmup" in r.stdout, r.stdout[:3000]
+    for n in start:
+        if ".indexer." in n:
+            assert not torch.equal(start[n], end[n]), f"indexer tensor {n} did not train"
+        else:
+            assert torch.equal(start[n], end[n]), f"frozen tensor {n} changed"
+
+
+def test_dsa_sparse_stage_runs(pretrained, tmp_path):
+    r = run(f"--out_dir={tmp_path}", "--stage=dsa_sparse", f"--init_from={pretrained / 'ckpt.pt'}",
+            "--max_iters=2", "--eval_interval=2")
+    recs = step_losses(tmp_path / "metrics.jsonl")
+    assert all(v[4] > 0 for v in recs.values()), r.stdout  # the KL is on
+    ck = torch.load(tmp_path / "ckpt.pt", weights_only=False)
+    assert ck["config"]["model"]["dsa_mode"] == "sparse"
+
+
+# -----------------------------------------------------------------------------
+# Schedules and gradient accumulation
+
+
+def test_lr_schedules(monkeypatch):
+    import train
+
+    monkeypatch.setattr(train, "max_iters", 100)
+    monkeypatch.setattr(train, "warmup_iters", 10)
+    monkeypatch.setattr(train, "decay_frac", 0.2)
+    monkeypatch.setattr(train, "min_lr_frac", 0.1)
+    monkeypatch.setattr(train, "schedule", "wsd")
+    wsd = [train.lr_mult(s) for s in range(100)]
+    assert wsd[0] == 0.1 and wsd[9] == 1.0 and all(v == 1.0 for v in wsd[9:80])
+    assert all(a > b for a, b in zip(wsd[80:], wsd[81:])) and wsd[-1] == pytest.approx(0.1 + 0.9 / 20)
+    monkeypatch.setattr(train, "schedule", "cosine")
+    cos = [train.lr_mult(s) for s in range(100)]
+    assert cos[10] == 1.0 and all(a >= b for a, b in zip(cos[10:], cos[11:])) and cos[-1] > 0.1
+    monkeypatch.setattr(train, "mtp_switch_frac", 0.5)
+    assert train.mtp_weight_at(49) == train.mtp_weight_early and train.mtp_weight_at(50) == train.mtp_weight_late
+
+
+def test_grad_accum_and_cosine_run(tmp_path):
+    r = run(f"--out_dir={tmp_path}", "--max_iters=2", "--eval_interval=2", "--grad_accum=2", "--schedule=cosine")
+    assert "step 2 | loss" in r.stdout and "sample (4 tokens)" in r.stdout
+    assert sorted(step_losses(tmp_path / "metrics.jsonl")) == [1, 2]

@@ -1,0 +1,451 @@
+"""
+Training GLM-5 (GLM-5 report sections 2-3; SPEC sections 4-7): pretraining and the two DSA stages, with
+Muon (Muon Split) + AdamW, an MTP loss, aux-loss-free MoE balancing, checkpoints that resume exactly.
+
+    batch (torch.Generator = data position) -> GLM5 forward -> lm + w_mtp * mtp + 1e-4 * balance (+ KL)
+        -> backward (x grad_accum) -> clip -> Muon + AdamW step at lr(step) -> update_router_bias
+
+Stages (`stage`):
+- "pretrain":   dsa_mode "dense", everything trains on lm + MTP + balance.
+- "dsa_warmup": dsa_mode "dense", everything frozen except the indexers (`.indexer.` in the name); the loss
+                is the indexer KL only (GLM-5: 1000 steps, lr 5e-3 -> 2e-4).
+- "dsa_sparse": dsa_mode "sparse", everything trains; the model detaches the indexer's inputs, so the
+                indexer learns only from the KL and the rest only from the LM loss.
+Start a stage from another stage's checkpoint with --init_from=out/ckpt.pt (model weights only).
+
+Run it:
+    python train.py configs/toy.py                      # a few-million-parameter GLM-5 on a laptop CPU
+    python train.py configs/toy.py --max_iters=20 --batch_size=4
+    python train.py configs/toy.py --resume=True        # continue from out_dir/ckpt.pt, exactly
+    python train.py configs/toy.py --stage=dsa_warmup --init_from=out/ckpt.pt --out_dir=out_warmup
+Tests: python -m pytest -q tests/test_train.py
+
+Honest limits:
+- One process, one device: no torchrun / DDP / FSDP / expert parallelism here (a later pass).
+- No SFT, no chat template, no RL: pretraining and the DSA stages only.
+- MFU counts 6 x activated parameters per token (MTP and attention's T^2 term left out), against a peak
+  measured at start with a few timed matmuls, not a datasheet number.
+- Exact resume is tested on CPU; on a GPU, non-deterministic kernels make it close, not bit-identical.
+- Checkpoints are this script's own torch.save dict (loaded with weights_only=False: load only your own);
+  the public safetensors format is model.py's save_pretrained / from_pretrained.
+- GLM-5's learning rates, batch sizes and schedule lengths are not published; the defaults are placeholders.
+"""
+
+import ast
+import dataclasses
+import difflib
+import json
+import math
+import os
+import random
+import sys
+import time
+from contextlib import nullcontext
+
+import numpy as np
+import torch
+
+import data
+import model
+import muon
+from tokenizer import get_tokenizer
+
+# -----------------------------------------------------------------------------
+# Defaults: plain globals; a configs/*.py file, then --key=value, override them (and the ModelConfig fields)
+
+out_dir = "out"  # checkpoint ckpt.pt and metrics.jsonl go here
+stage = "pretrain"  # "pretrain" | "dsa_warmup" | "dsa_sparse"
+init_from = ""  # a ckpt.pt to take the model weights from (a stage starting from another's result)
+resume = False  # continue from out_dir/ckpt.pt: model, optimizers, step, RNGs, data position
+data_dir = "data/stdlib"  # tokenized corpus (data.py), relative to this file's folder
+tokenizer_vocab_size = 4096  # the BPE the data is tokenized with; must be <= the model's vocab_size
+batch_size = 8  # sequences per micro-batch
+block_size = 256  # training sequence length
+grad_accum = 1  # micro-batches per optimizer step
+max_iters = 200  # optimizer steps
+eval_interval = 50  # evaluate and checkpoint every this many steps (and at the end)
+eval_iters = 10  # val batches per evaluation
+log_interval = 1  # print a log line every this many steps
+lr_muon = 0.02  # Muon's peak lr (matrices in the blocks)
+lr_adamw = 3e-3  # AdamW's peak lr (embeddings, lm_head, router, norms)
+weight_decay = 0.1  # decoupled, both optimizers (not on norms and biases)
+schedule = "wsd"  # "wsd": warmup, stable, linear decay; "cosine": warmup, cosine decay
+warmup_iters = 10  # linear warmup steps
+decay_frac = 0.2  # wsd: the last fraction of max_iters decays linearly
+min_lr_frac = 0.1  # the lr at the end, as a fraction of the peak
+grad_clip = 1.0  # clip the global gradient norm (0: off)
+mtp_weight_early = 0.3  # MTP loss weight early in training (GLM-4.5)
+mtp_weight_late = 0.1  # ... and after mtp_switch_frac of max_iters
+mtp_switch_frac = 0.5
+balance_weight = 1e-4  # sequence-level balance loss
+bias_update_rate = 1e-3  # aux-loss-free balancing: router bias step per optimizer step
+indexer_kl_weight = 1.0  # KL coefficient in dsa_sparse (not published)
+seed = 1337  # model init, data order
+device = "auto"  # "auto" (cuda > mps > cpu), "cpu", "cuda", "cuda:N", "mps"
+dtype = "auto"  # "auto" (bfloat16 on a cuda GPU that has it, else float32), "float32", "bfloat16"
+compile = False  # torch.compile the model
+sample_tokens = 64  # tokens sampled from the prompt at the end (0: none)
+sample_prompt = "def "
+
+STAGES = ("pretrain", "dsa_warmup", "dsa_sparse")
+TRAIN_KEYS = [k for k, v in list(globals().items()) if not k.startswith("_") and k.islower()
+              and isinstance(v, (bool, int, float, str))]
+
+# -----------------------------------------------------------------------------
+# Config: a configs/*.py file over the defaults, then --key=value over both
+
+
+def cast_value(key, value, like, where):
+    """value, type-checked against the default `like` (an int is accepted where a float is expected)."""
+    if isinstance(like, float) and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if type(value) is not type(like):
+        raise SystemExit(f"{where}: {key} must be {type(like).__name__} like its default {like!r}, got {value!r}")
+    return value
+
+
+def unknown_key(key, where, known):
+    hint = difflib.get_close_matches(key, known, n=1, cutoff=0.5)
+    return SystemExit(f"{where}: unknown config key {key!r}" + (f"; did you mean {hint[0]!r}?" if hint else
+                                                                 "; see the globals at the top of train.py and model.ModelConfig"))
+
+
+def resolve_config(argv):
+    """argv (without the script name) -> (train settings dict, ModelConfig); updates this module's globals."""
+    g = globals()
+    model_defaults = model.ModelConfig()
+    model_keys = [f.name for f in dataclasses.fields(model.ModelConfig)]
+    known = TRAIN_KEYS + model_keys
+    train_cfg = {k: g[k] for k in TRAIN_KEYS}
+    model_kw = {}
+    for arg in argv:
+        if not arg.startswith("--"):  # a config file: plain Python assignments
+            try:
+                file_cfg, rest = model.load_config_file(arg)
+            except (ValueError, FileNotFoundError) as e:
+                raise SystemExit(str(e))
+            for f in dataclasses.fields(file_cfg):
+                if getattr(file_cfg, f.name) != getattr(model_defaults, f.name):
+                    model_kw[f.name] = getattr(file_cfg, f.name)
+            for k, v in rest.items():
+                if k not in TRAIN_KEYS:
+                    raise unknown_key(k, arg, known)
+                train_cfg[k] = cast_value(k, v, g[k], arg)
+            continue
+        if "=" not in arg:
+            raise SystemExit(f"override {arg!r} needs a value: write --key=value")
+        k, s = arg[2:].split("=", 1)
+        if k not in known:
+            raise unknown_key(k, "command line", known)
+        try:
+            v = ast.literal_eval(s)
+        except (ValueError, SyntaxError):
+            v = s  # a bare word is a string
+        if k in TRAIN_KEYS:
+            train_cfg[k] = cast_value(k, v, g[k], "command line")
+        else:
+            model_kw[k] = cast_value(k, v, model_kw.get(k, getattr(model_defaults, k)), "command line")
+    if train_cfg["stage"] not in STAGES:
+        raise SystemExit(f"unknown stage {train_cfg['stage']!r}; choose one of {', '.join(STAGES)}")
+    model_kw["dsa_mode"] = "sparse" if train_cfg["stage"] == "dsa_sparse" else "dense"
+    try:
+        cfg = model.ModelConfig(**model_kw)
+    except ValueError as e:
+        raise SystemExit(str(e))
+    for k, need in (("batch_size", 1), ("block_size", 2), ("grad_accum", 1), ("max_iters", 1), ("eval_interval", 1),
+                    ("eval_iters", 1), ("log_interval", 1)):
+        if train_cfg[k] < need:
+            raise SystemExit(f"{k} must be >= {need}, got {train_cfg[k]}")
+    if train_cfg["schedule"] not in ("wsd", "cosine"):
+        raise SystemExit(f"unknown schedule {train_cfg['schedule']!r}; choose 'wsd' or 'cosine'")
+    g.update(train_cfg)
+    return train_cfg, cfg
+
+
+# -----------------------------------------------------------------------------
+# Device, dtype and the measured peak
+
+
+def pick_device(name):
+    if name == "auto":
+        if torch.cuda.is_available():
+            return "cuda"
+        return "mps" if getattr(torch.backends, "mps", None) and torch.backends.mps.is_available() else "cpu"
+    kind = name.split(":")[0]
+    ok = {"cpu": True, "cuda": torch.cuda.is_available(),
+          "mps": getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()}
+    if kind not in ok:
+        raise SystemExit(f"device {name!r} is not supported; use auto, cpu, cuda, cuda:N or mps")
+    if not ok[kind]:
+        raise SystemExit(f"device {name!r} is not available on this machine; use --device=auto or --device=cpu")
+    return name
+
+
+def pick_dtype(name, dev):
+    cuda = dev.startswith("cuda")
+    if name == "auto":
+        return torch.bfloat16 if cuda and torch.cuda.is_bf16_supported() else torch.float32
+    if name == "float32":
+        return torch.float32
+    if name == "bfloat16":
+        if not (cuda and torch.cuda.is_bf16_supported()):
+            raise SystemExit("dtype bfloat16 needs a cuda GPU with bf16 (autocast is used on cuda only); use --dtype=float32")
+        return torch.bfloat16
+    raise SystemExit(f"dtype {name!r} is not supported; use auto, float32 or bfloat16")
+
+
+def sync(dev):
+    if dev.startswith("cuda"):
+        torch.cuda.synchronize()
+    elif dev == "mps":
+        torch.mps.synchronize()
+
+
+def measure_peak_flops(dev, dt, n, reps=5):
+    """FLOP/s of an n x n matmul on this device in this dtype: the denominator of MFU."""
+    a, b = torch.randn(n, n, device=dev, dtype=dt), torch.randn(n, n, device=dev, dtype=dt)
+    for _ in range(2):
+        a @ b
+    sync(dev)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    sync(dev)
+    return 2 * n ** 3 * reps / (time.perf_counter() - t0)
+
+
+# -----------------------------------------------------------------------------
+# Schedules
+
+
+def lr_mult(step):
+    """Multiplier of the peak lr at optimizer step `step` (0-based)."""
+    if step < warmup_iters:
+        return (step + 1) / warmup_iters
+    if schedule == "wsd":
+        decay_start = max(warmup_iters, int(max_iters * (1 - decay_frac)))
+        if step < decay_start:
+            return 1.0
+        frac = (step - decay_start) / max(1, max_iters - decay_start)
+        return 1.0 - (1.0 - min_lr_frac) * frac
+    frac = (step - warmup_iters) / max(1, max_iters - warmup_iters)
+    return min_lr_frac + (1 - min_lr_frac) * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0)))
+
+
+def mtp_weight_at(step):
+    return mtp_weight_early if step < mtp_switch_frac * max_iters else mtp_weight_late
+
+
+# -----------------------------------------------------------------------------
+# Checkpoints: one dict, written atomically
+
+
+def save_checkpoint(ckpt, directory):
+    """torch.save to ckpt.pt.tmp, fsync, then rename over ckpt.pt: a crash mid-write leaves the old one."""
+    path = os.path.join(directory, "ckpt.pt")
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        torch.save(ckpt, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(directory, os.O_RDONLY)  # make the rename itself durable
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return path
+
+
+def load_checkpoint(path, what):
+    if not os.path.isfile(path):
+        raise SystemExit(f"{what}: no checkpoint at {path}; train one first, or fix the path")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)  # our own file: it holds numpy RNG state
+    except Exception as e:
+        raise SystemExit(f"{what}: {path} could not be read ({type(e).__name__}: {e}); it is not a train.py checkpoint")
+
+
+def load_model_weights(m, state, path):
+    try:
+        m.load_state_dict(state)
+    except RuntimeError as e:
+        first = str(e).strip().splitlines()[1] if len(str(e).splitlines()) > 1 else str(e)
+        raise SystemExit(f"the weights in {path} do not fit this model config ({first.strip()}); "
+                         f"use the same model keys as the run that wrote it")
+
+
+# -----------------------------------------------------------------------------
+# The run
+
+
+def main():
+    train_cfg, cfg = resolve_config(sys.argv[1:])
+    dev = pick_device(device)
+    ptdtype = pick_dtype(dtype, dev)
+    print(f"train config: {json.dumps(train_cfg)}")
+    print(f"model config: {json.dumps(dataclasses.asdict(cfg))}")
+    os.makedirs(out_dir, exist_ok=True)
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed)
+    if dev.startswith("cuda"):
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    autocast = torch.autocast("cuda", dtype=ptdtype) if dev.startswith("cuda") and ptdtype != torch.float32 else nullcontext()
+
+    # ---- data
+    here = os.path.dirname(os.path.abspath(__file__))
+    ddir = os.path.join(here, data_dir)
+    tok = get_tokenizer(tokenizer_vocab_size, cache_dir=os.path.dirname(ddir.rstrip("/")))
+    if cfg.vocab_size < tok.vocab_size:
+        raise SystemExit(f"the model's vocab_size ({cfg.vocab_size}) is smaller than the tokenizer's "
+                         f"({tok.vocab_size}); raise vocab_size or lower tokenizer_vocab_size")
+    data.prepare(tokenizer_vocab_size, out_dir=ddir, tokenizer=tok)
+    loader = data.DataLoader(ddir)
+    gen = torch.Generator().manual_seed(seed)  # its state is the data position
+
+    # ---- model, stage, optimizers
+    with torch.device("meta"):  # count first: the full GLM-5 does not fit one device
+        n_params = model.param_counts(model.GLM5(cfg))["total (with MTP)"]
+    need = 16 * n_params  # fp32 weights + grads + two optimizer moments, about
+    have = torch.cuda.get_device_properties(dev).total_memory if dev.startswith("cuda") else \
+        os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if need > have:
+        raise SystemExit(f"{n_params / 1e9:.1f}B parameters need about {need / 2**30:.0f} GiB to train on one device "
+                         f"({have / 2**30:.0f} GiB here); multi-device training (FSDP) is not in train.py yet, use a smaller config")
+    m = model.GLM5(cfg).to(dev)
+    if init_from:
+        ck = load_checkpoint(init_from, "init_from")
+        load_model_weights(m, ck["model"], init_from)
+        print(f"model weights from {init_from} (step {ck.get('step')}, stage {ck.get('config', {}).get('train', {}).get('stage')})")
+        del ck
+    if stage == "dsa_warmup":
+        for n, p in m.named_parameters():
+            p.requires_grad_(".indexer." in n)
+    trainable = [p for p in m.parameters() if p.requires_grad]
+    opt_muon, opt_adamw = muon.build_optimizers(m, lr_muon=lr_muon, lr_adamw=lr_adamw, weight_decay=weight_decay)
+    optimizers = [opt_muon, opt_adamw]
+    for o in optimizers:
+        for grp in o.param_groups:
+            grp["peak_lr"] = grp["lr"]
+    counts = model.param_counts(m)
+    n_active = counts["activated per token (without MTP)"]
+    print(f"parameters: {counts['total (with MTP)']:,} total, {n_active:,} activated per token, "
+          f"{sum(p.numel() for p in trainable):,} trainable in stage {stage}")
+
+    step = 0
+    config_dump = {"train": train_cfg, "model": dataclasses.asdict(cfg)}
+    metrics_path = os.path.join(out_dir, "metrics.jsonl")
+    if resume:
+        ckpt_path = os.path.join(out_dir, "ckpt.pt")
+        ck = load_checkpoint(ckpt_path, "resume")
+        if ck["config"]["model"] != config_dump["model"] or ck["config"]["train"]["stage"] != stage:
+            diff = [k for k in config_dump["model"] if ck["config"]["model"].get(k) != config_dump["model"][k]]
+            raise SystemExit(f"resume: {ckpt_path} was written with a different model config or stage "
+                             f"({', '.join(diff) or 'stage ' + repr(ck['config']['train']['stage'])}); use the same settings")
+        load_model_weights(m, ck["model"], ckpt_path)
+        opt_muon.load_state_dict(ck["muon"])
+        opt_adamw.load_state_dict(ck["adamw"])
+        step = ck["step"]
+        torch.set_rng_state(ck["rng"]["torch"])
+        if dev.startswith("cuda") and ck["rng"].get("cuda") is not None:
+            torch.cuda.set_rng_state_all(ck["rng"]["cuda"])
+        random.setstate(ck["rng"]["python"])
+        np.random.set_state(ck["rng"]["numpy"])
+        gen.set_state(ck["data_generator"])
+        print(f"resumed from {ckpt_path} at step {step}")
+        del ck
+    with open(metrics_path, "a" if resume else "w") as f:
+        f.write(json.dumps({"event": "resume" if resume else "start", "step": step}) + "\n")
+    raw = m
+    if compile:
+        m = torch.compile(m)
+
+    # ---- peak FLOP/s for MFU
+    peak = measure_peak_flops(dev, ptdtype, 2048 if dev.startswith("cuda") else 1024)
+    print(f"device {dev}, dtype {str(ptdtype).replace('torch.', '')}, measured matmul peak {peak / 1e12:.3f} TFLOP/s")
+
+    @torch.no_grad()
+    def evaluate():
+        m.eval()
+        g = torch.Generator().manual_seed(seed + 1)  # the same val batches at every evaluation
+        total = 0.0
+        for _ in range(eval_iters):
+            x, y = loader.get_batch("val", batch_size, block_size, generator=g, device=dev)
+            with autocast:
+                _, losses = m(x, y, mtp_weight=0.0, balance_weight=0.0)
+            total += losses["lm"].item()
+        m.train()
+        return total / eval_iters
+
+    def checkpoint():
+        ckpt = {"model": raw.state_dict(), "muon": opt_muon.state_dict(), "adamw": opt_adamw.state_dict(),
+                "step": step, "data_generator": gen.get_state(), "config": config_dump,
+                "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state(),
+                        "cuda": torch.cuda.get_rng_state_all() if dev.startswith("cuda") else None}}
+        path = save_checkpoint(ckpt, out_dir)
+        print(f"saved checkpoint step {step} -> {path}", flush=True)
+
+    # ---- the loop; `step` counts finished optimizer steps, so checkpoints sit on step boundaries
+    tokens_per_step = batch_size * block_size * grad_accum
+    kl_on = stage != "pretrain"
+    m.train()
+    ema_dt = None
+    while step < max_iters:
+        t0 = time.perf_counter()
+        mult, mtp_w = lr_mult(step), mtp_weight_at(step)
+        for o in optimizers:
+            for grp in o.param_groups:
+                grp["lr"] = grp["peak_lr"] * mult
+        sums = dict.fromkeys(("loss", "lm", "mtp", "balance", "indexer_kl"), 0.0)
+        for _ in range(grad_accum):
+            x, y = loader.get_batch("train", batch_size, block_size, generator=gen, device=dev)
+            with autocast:
+                _, losses = m(x, y, mtp_weight=mtp_w, balance_weight=balance_weight,
+                              indexer_kl_weight=indexer_kl_weight, indexer_kl=kl_on)
+            loss = losses["indexer_kl"] if stage == "dsa_warmup" else losses["loss"]
+            (loss / grad_accum).backward()
+            for k in sums:
+                sums[k] += (loss if k == "loss" else losses[k]).item() / grad_accum
+        if grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(trainable, grad_clip)
+        for o in optimizers:
+            o.step()
+            o.zero_grad(set_to_none=True)
+        # the frozen model in dsa_warmup keeps its router bias: rate 0 only resets the load counts
+        model.update_router_bias(raw, 0.0 if stage == "dsa_warmup" else bias_update_rate)
+        sync(dev)
+        dt = time.perf_counter() - t0
+        step += 1
+        ema_dt = dt if ema_dt is None or step <= 2 else 0.9 * ema_dt + 0.1 * dt
+        if step % log_interval == 0 or step == max_iters:
+            tps = tokens_per_step / dt
+            mfu = 6 * n_active * tps / peak
+            eta = ema_dt * (max_iters - step)
+            mem = f" | mem {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB" if dev.startswith("cuda") else ""
+            print(f"step {step} | loss {sums['loss']:.4f} (lm {sums['lm']:.4f}, mtp {sums['mtp']:.4f}, "
+                  f"bal {sums['balance']:.4f}, kl {sums['indexer_kl']:.4f}) | lr {mult * lr_muon:.2e} | "
+                  f"{tps:,.0f} tok/s | mfu {100 * mfu:.2f}% | {1000 * dt:.0f} ms/step | eta {eta:.0f}s{mem}", flush=True)
+            with open(metrics_path, "a") as f:
+                f.write(json.dumps({"step": step, **sums, "lr_mult": mult, "mtp_weight": mtp_w,
+                                    "tokens_per_s": tps, "mfu": mfu, "ms_per_step": 1000 * dt}) + "\n")
+        if step % eval_interval == 0 or step == max_iters:
+            val = evaluate()
+            print(f"step {step} | val lm {val:.4f}", flush=True)
+            with open(metrics_path, "a") as f:
+                f.write(json.dumps({"step": step, "val_lm": val}) + "\n")
+            checkpoint()
+
+    # ---- a short sample
+    if sample_tokens > 0:
+        raw.eval()
+        ids = torch.tensor([tok.encode(sample_prompt)], device=dev)
+        with autocast:
+            out = raw.generate(ids, sample_tokens, temperature=0.8, top_k=50)
+        text = tok.decode([i for i in out[0].tolist() if i < tok.vocab_size])
+        print(f"sample ({sample_tokens} tokens):\n{text}")
+
+
+if __name__ == "__main__":
+    main()
