@@ -106,12 +106,14 @@ def orthogonalized_update(u, split=None, steps=5, dtype=torch.float32):
 
 class Muon(torch.optim.Optimizer):
     """Muon for 2-D weight matrices. Group keys: lr, momentum (0.95), nesterov, weight_decay (0.1,
-    decoupled), ns_steps (5), ns_dtype (fp32), split (None or per-head row counts, see above)."""
+    decoupled), ns_steps (5), ns_dtype ("float32", stored by name; a torch dtype is accepted), split (None or
+    per-head row counts, see above)."""
 
     def __init__(self, params, lr=3e-4, momentum=0.95, nesterov=True, weight_decay=0.1, ns_steps=5,
                  ns_dtype=torch.float32, split=None):
+        # the dtype is kept by name: optimizer state dicts then hold plain data (torch.distributed.checkpoint)
         defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
-                        ns_steps=ns_steps, ns_dtype=ns_dtype, split=split)
+                        ns_steps=ns_steps, ns_dtype=str(ns_dtype).removeprefix("torch."), split=split)
         super().__init__(params, defaults)
         for group in self.param_groups:
             for p in group["params"]:
@@ -127,7 +129,8 @@ class Muon(torch.optim.Optimizer):
                 loss = closure()
         for group in self.param_groups:
             lr, beta, wd = group["lr"], group["momentum"], group["weight_decay"]
-            orth = functools.partial(orthogonalized_update, split=group["split"], steps=group["ns_steps"], dtype=group["ns_dtype"])
+            ns_dtype = getattr(torch, str(group["ns_dtype"]).removeprefix("torch."))  # a name or a dtype
+            orth = functools.partial(orthogonalized_update, split=group["split"], steps=group["ns_steps"], dtype=ns_dtype)
             for p in group["params"]:
                 g = p.grad
                 if g is None:

@@ -13,19 +13,34 @@ Stages (`stage`):
                 indexer learns only from the KL and the rest only from the LM loss.
 Start a stage from another stage's checkpoint with --init_from=out/ckpt.pt (model weights only).
 
+Before allocating anything it prints the parameter and memory plan for the world size (parallel.py) and
+stops with one sentence if a rank cannot hold it. Under torchrun (detected from its environment, like
+nanoGPT's DDP) each block, the MTP block and the root are FSDP2-sharded (gloo on CPU, nccl on GPUs);
+`expert_parallel=True` splits the routed experts across ranks and exchanges tokens with all-to-all. Every
+rank draws the same global batch of world x batch_size windows and keeps its rows, so N ranks at
+batch_size b train on exactly what one process trains on at batch_size N * b.
+
 Run it:
     python train.py configs/toy.py                      # a few-million-parameter GLM-5 on a laptop CPU
     python train.py configs/toy.py --max_iters=20 --batch_size=4
     python train.py configs/toy.py --resume=True        # continue from out_dir/ckpt.pt, exactly
     python train.py configs/toy.py --stage=dsa_warmup --init_from=out/ckpt.pt --out_dir=out_warmup
-Tests: python -m pytest -q tests/test_train.py
+    python train.py configs/full.py --dry_run=True      # the 744B plan in seconds; --plan_world_size=N for N ranks
+    torchrun --standalone --nproc_per_node=2 train.py configs/toy.py --device=cpu [--expert_parallel=True]
+Tests: python -m pytest -q tests/test_train.py tests/test_parallel.py
 
 Honest limits:
-- One process, one device: no torchrun / DDP / FSDP / expert parallelism here (a later pass).
+- Data parallel (FSDP2) and expert parallel over one mesh of all ranks; no tensor, pipeline or context
+  parallelism, no activation recomputation, no mixed-precision FSDP policy (fp32 weights, bf16 autocast
+  on cuda). Tested on 2 CPU processes over gloo; the nccl path is the same code, untested here.
+- The model is built whole on every rank (same seed) before sharding, and checkpoints hold the whole
+  unsharded state on rank 0: fine up to what one host's RAM holds, not for the real 744B (see parallel.py).
+- Under FSDP, grad_accum > 1 reduce-scatters after every micro-batch (no no_sync), correct but slower.
 - No SFT, no chat template, no RL: pretraining and the DSA stages only.
 - MFU counts 6 x activated parameters per token (MTP and attention's T^2 term left out), against a peak
   measured at start with a few timed matmuls, not a datasheet number.
-- Exact resume is tested on CPU; on a GPU, non-deterministic kernels make it close, not bit-identical.
+- Exact resume is tested on CPU in one process; resuming on 2 ranks, or a 2-rank checkpoint in one process,
+  matches to float tolerance. On a GPU, non-deterministic kernels make resume close, not bit-identical.
 - Checkpoints are this script's own torch.save dict (loaded with weights_only=False: load only your own);
   the public safetensors format is model.py's save_pretrained / from_pretrained.
 - GLM-5's learning rates, batch sizes and schedule lengths are not published; the defaults are placeholders.
@@ -48,6 +63,7 @@ import torch
 import data
 import model
 import muon
+import parallel
 from tokenizer import get_tokenizer
 
 # -----------------------------------------------------------------------------
@@ -84,6 +100,9 @@ seed = 1337  # model init, data order
 device = "auto"  # "auto" (cuda > mps > cpu), "cpu", "cuda", "cuda:N", "mps"
 dtype = "auto"  # "auto" (bfloat16 on a cuda GPU that has it, else float32), "float32", "bfloat16"
 compile = False  # torch.compile the model
+expert_parallel = False  # under torchrun: each rank holds n_routed_experts / world experts (all-to-all)
+dry_run = False  # print the parameter and memory plan, then exit before allocating anything
+plan_world_size = 0  # plan for this many ranks (0: torchrun's WORLD_SIZE, 1 without torchrun)
 sample_tokens = 64  # tokens sampled from the prompt at the end (0: none)
 sample_prompt = "def "
 
@@ -281,12 +300,57 @@ def load_model_weights(m, state, path):
 
 def main():
     train_cfg, cfg = resolve_config(sys.argv[1:])
+    # ---- ranks: torchrun sets RANK, LOCAL_RANK, WORLD_SIZE (one process per device)
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    distributed = world > 1
+    rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
+    master = rank == 0
+    log = print if master else (lambda *a, **k: None)
     dev = pick_device(device)
+    if distributed and dev.startswith("cuda"):
+        dev = f"cuda:{local_rank}"
+    if distributed and dev == "mps":
+        raise SystemExit("torchrun with mps is not supported; use --device=cpu (gloo) or cuda GPUs (nccl)")
     ptdtype = pick_dtype(dtype, dev)
-    print(f"train config: {json.dumps(train_cfg)}")
-    print(f"model config: {json.dumps(dataclasses.asdict(cfg))}")
+    log(f"train config: {json.dumps(train_cfg)}")
+    log(f"model config: {json.dumps(dataclasses.asdict(cfg))}")
+
+    # ---- the plan, on the meta device, before anything is allocated
+    plan_world = plan_world_size or world
+    if plan_world_size and plan_world_size != world and not dry_run:
+        raise SystemExit(f"plan_world_size={plan_world_size} is for planning only; add --dry_run=True, or launch "
+                         f"{plan_world_size} ranks with torchrun and leave plan_world_size at 0")
+    ep = expert_parallel and plan_world > 1
+    if ep and cfg.n_routed_experts % plan_world:
+        raise SystemExit(f"expert_parallel needs n_routed_experts ({cfg.n_routed_experts}) divisible by the number "
+                         f"of ranks ({plan_world}); use a world size that divides it or --expert_parallel=False")
+    act_bytes = 2 if ptdtype == torch.bfloat16 else 4
+    if dev.startswith("cuda"):
+        capacity, where = torch.cuda.get_device_properties(dev).total_memory, f"{dev} memory"
+    else:
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        capacity = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // local_ranks
+        where = "host RAM" if local_ranks == 1 else f"host RAM / {local_ranks} local ranks"
+    rows, counts = parallel.memory_plan(cfg, plan_world, ep, batch_size, block_size, act_bytes)
+    log(parallel.format_plan(cfg, rows, counts, plan_world, ep, capacity, where))
+    if dry_run:
+        return
+    need = rows[-1][2]
+    if need > capacity:
+        gib = parallel.GiB
+        k = parallel.ranks_needed(cfg, ep, batch_size, block_size, act_bytes, capacity, counts)
+        k_ep = parallel.ranks_needed(cfg, True, batch_size, block_size, act_bytes, capacity, counts) if not ep else None
+        how = (f"run on at least {k} ranks of {capacity / gib:.0f} GiB each" if k else
+               f"run on at least {k_ep} ranks of {capacity / gib:.0f} GiB each with --expert_parallel=True" if k_ep else
+               "no number of ranks of this size holds it (lower batch_size or block_size)")
+        raise SystemExit(f"this config needs about {need / gib:,.0f} GiB per rank on {plan_world} rank(s) but {where} "
+                         f"here is {capacity / gib:.0f} GiB; {how}, or use a smaller config (--dry_run=True prints the plan)")
+    if distributed:
+        torch.distributed.init_process_group("nccl" if dev.startswith("cuda") else "gloo")
+        if dev.startswith("cuda"):
+            torch.cuda.set_device(dev)
     os.makedirs(out_dir, exist_ok=True)
-    torch.manual_seed(seed)
+    torch.manual_seed(seed)  # the same on every rank: identical initial weights before sharding
     random.seed(seed)
     np.random.seed(seed)
     if dev.startswith("cuda"):
@@ -294,49 +358,35 @@ def main():
         torch.backends.cudnn.allow_tf32 = True
     autocast = torch.autocast("cuda", dtype=ptdtype) if dev.startswith("cuda") and ptdtype != torch.float32 else nullcontext()
 
-    # ---- data
+    # ---- data: every rank draws the same global batch of world x batch_size windows and keeps its rows,
+    # so N ranks at batch_size b see exactly what one process sees at batch_size N * b
     here = os.path.dirname(os.path.abspath(__file__))
     ddir = os.path.join(here, data_dir)
     tok = get_tokenizer(tokenizer_vocab_size, cache_dir=os.path.dirname(ddir.rstrip("/")))
     if cfg.vocab_size < tok.vocab_size:
         raise SystemExit(f"the model's vocab_size ({cfg.vocab_size}) is smaller than the tokenizer's "
                          f"({tok.vocab_size}); raise vocab_size or lower tokenizer_vocab_size")
-    data.prepare(tokenizer_vocab_size, out_dir=ddir, tokenizer=tok)
+    if master:
+        data.prepare(tokenizer_vocab_size, out_dir=ddir, tokenizer=tok)
+    if distributed:
+        torch.distributed.barrier()  # rank 0 tokenized the corpus (once, cached) before the others read it
     loader = data.DataLoader(ddir)
-    gen = torch.Generator().manual_seed(seed)  # its state is the data position
+    gen = torch.Generator().manual_seed(seed)  # its state is the data position (the same on every rank)
 
-    # ---- model, stage, optimizers
-    with torch.device("meta"):  # count first: the full GLM-5 does not fit one device
-        n_params = model.param_counts(model.GLM5(cfg))["total (with MTP)"]
-    need = 16 * n_params  # fp32 weights + grads + two optimizer moments, about
-    have = torch.cuda.get_device_properties(dev).total_memory if dev.startswith("cuda") else \
-        os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if need > have:
-        raise SystemExit(f"{n_params / 1e9:.1f}B parameters need about {need / 2**30:.0f} GiB to train on one device "
-                         f"({have / 2**30:.0f} GiB here); multi-device training (FSDP) is not in train.py yet, use a smaller config")
-    m = model.GLM5(cfg).to(dev)
+    def get_batch(split, g):
+        x, y = loader.get_batch(split, world * batch_size, block_size, generator=g)
+        mine = slice(rank * batch_size, (rank + 1) * batch_size)
+        return x[mine].to(dev), y[mine].to(dev)
+
+    # ---- model, stage; then sharding; then optimizers (they hold the shards)
+    m = model.GLM5(cfg)
+    step, ck = 0, None
+    config_dump = {"train": train_cfg, "model": dataclasses.asdict(cfg)}
     if init_from:
         ck = load_checkpoint(init_from, "init_from")
         load_model_weights(m, ck["model"], init_from)
-        print(f"model weights from {init_from} (step {ck.get('step')}, stage {ck.get('config', {}).get('train', {}).get('stage')})")
-        del ck
-    if stage == "dsa_warmup":
-        for n, p in m.named_parameters():
-            p.requires_grad_(".indexer." in n)
-    trainable = [p for p in m.parameters() if p.requires_grad]
-    opt_muon, opt_adamw = muon.build_optimizers(m, lr_muon=lr_muon, lr_adamw=lr_adamw, weight_decay=weight_decay)
-    optimizers = [opt_muon, opt_adamw]
-    for o in optimizers:
-        for grp in o.param_groups:
-            grp["peak_lr"] = grp["lr"]
-    counts = model.param_counts(m)
-    n_active = counts["activated per token (without MTP)"]
-    print(f"parameters: {counts['total (with MTP)']:,} total, {n_active:,} activated per token, "
-          f"{sum(p.numel() for p in trainable):,} trainable in stage {stage}")
-
-    step = 0
-    config_dump = {"train": train_cfg, "model": dataclasses.asdict(cfg)}
-    metrics_path = os.path.join(out_dir, "metrics.jsonl")
+        log(f"model weights from {init_from} (step {ck.get('step')}, stage {ck.get('config', {}).get('train', {}).get('stage')})")
+        ck = None
     if resume:
         ckpt_path = os.path.join(out_dir, "ckpt.pt")
         ck = load_checkpoint(ckpt_path, "resume")
@@ -345,26 +395,49 @@ def main():
             raise SystemExit(f"resume: {ckpt_path} was written with a different model config or stage "
                              f"({', '.join(diff) or 'stage ' + repr(ck['config']['train']['stage'])}); use the same settings")
         load_model_weights(m, ck["model"], ckpt_path)
-        opt_muon.load_state_dict(ck["muon"])
-        opt_adamw.load_state_dict(ck["adamw"])
+    if stage == "dsa_warmup":
+        for n, p in m.named_parameters():
+            p.requires_grad_(".indexer." in n)
+    n_trainable = sum(p.numel() for p in m.parameters() if p.requires_grad)
+    m = m.to(dev)
+    if distributed:
+        mesh = torch.distributed.device_mesh.init_device_mesh(dev.split(":")[0], (world,))
+        experts = parallel.shard_experts(m) if ep else ()
+        parallel.shard_model(m, mesh, ignored=experts)
+    trainable = [p for p in m.parameters() if p.requires_grad]
+    opt_muon, opt_adamw = muon.build_optimizers(m, lr_muon=lr_muon, lr_adamw=lr_adamw, weight_decay=weight_decay)
+    optimizers = [opt_muon, opt_adamw]
+    for o in optimizers:
+        for grp in o.param_groups:
+            grp["peak_lr"] = grp["lr"]
+    n_active = counts["activated"]
+    log(f"parameters: {counts['total']:,} total, {n_active:,} activated per token, "
+        f"{n_trainable:,} trainable in stage {stage}")
+
+    metrics_path = os.path.join(out_dir, "metrics.jsonl")
+    if ck is not None:  # resume: the optimizers (by parameter name), the step, every RNG, the data position
+        parallel.load_optimizer_states(m, optimizers, [ck["muon"], ck["adamw"]])
         step = ck["step"]
-        torch.set_rng_state(ck["rng"]["torch"])
-        if dev.startswith("cuda") and ck["rng"].get("cuda") is not None:
-            torch.cuda.set_rng_state_all(ck["rng"]["cuda"])
-        random.setstate(ck["rng"]["python"])
-        np.random.set_state(ck["rng"]["numpy"])
+        rng = ck["rng"][rank] if rank < len(ck["rng"]) else ck["rng"][0]
+        torch.set_rng_state(rng["torch"])
+        if dev.startswith("cuda") and rng.get("cuda") is not None:
+            torch.cuda.set_rng_state(rng["cuda"], dev)
+        random.setstate(rng["python"])
+        np.random.set_state(rng["numpy"])
         gen.set_state(ck["data_generator"])
-        print(f"resumed from {ckpt_path} at step {step}")
-        del ck
-    with open(metrics_path, "a" if resume else "w") as f:
-        f.write(json.dumps({"event": "resume" if resume else "start", "step": step}) + "\n")
+        log(f"resumed from {ckpt_path} at step {step}")
+        ck = None
+    if master:
+        with open(metrics_path, "a" if resume else "w") as f:
+            f.write(json.dumps({"event": "resume" if resume else "start", "step": step, "world_size": world}) + "\n")
     raw = m
     if compile:
         m = torch.compile(m)
 
-    # ---- peak FLOP/s for MFU
+    # ---- peak FLOP/s for MFU (per device)
     peak = measure_peak_flops(dev, ptdtype, 2048 if dev.startswith("cuda") else 1024)
-    print(f"device {dev}, dtype {str(ptdtype).replace('torch.', '')}, measured matmul peak {peak / 1e12:.3f} TFLOP/s")
+    log(f"device {dev} x {world}, dtype {str(ptdtype).replace('torch.', '')}, "
+        f"measured matmul peak {peak / 1e12:.3f} TFLOP/s per device")
 
     @torch.no_grad()
     def evaluate():
@@ -372,23 +445,31 @@ def main():
         g = torch.Generator().manual_seed(seed + 1)  # the same val batches at every evaluation
         total = 0.0
         for _ in range(eval_iters):
-            x, y = loader.get_batch("val", batch_size, block_size, generator=g, device=dev)
+            x, y = get_batch("val", g)
             with autocast:
                 _, losses = m(x, y, mtp_weight=0.0, balance_weight=0.0)
             total += losses["lm"].item()
         m.train()
-        return total / eval_iters
+        val = {"val_lm": total / eval_iters}
+        return (parallel.mean_over_ranks(val, dev) if distributed else val)["val_lm"]
 
     def checkpoint():
-        ckpt = {"model": raw.state_dict(), "muon": opt_muon.state_dict(), "adamw": opt_adamw.state_dict(),
-                "step": step, "data_generator": gen.get_state(), "config": config_dump,
-                "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state(),
-                        "cuda": torch.cuda.get_rng_state_all() if dev.startswith("cuda") else None}}
-        path = save_checkpoint(ckpt, out_dir)
-        print(f"saved checkpoint step {step} -> {path}", flush=True)
+        model_state, (muon_state, adamw_state) = parallel.full_state(raw, optimizers)  # every rank takes part
+        rng = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state(),
+               "cuda": torch.cuda.get_rng_state(dev) if dev.startswith("cuda") else None}
+        rngs = [None] * world if master else None
+        if distributed:
+            torch.distributed.gather_object(rng, rngs, dst=0)
+        else:
+            rngs = [rng]
+        if master:
+            ckpt = {"model": model_state, "muon": muon_state, "adamw": adamw_state, "step": step,
+                    "data_generator": gen.get_state(), "config": config_dump, "world_size": world, "rng": rngs}
+            path = save_checkpoint(ckpt, out_dir)
+            print(f"saved checkpoint step {step} -> {path}", flush=True)
 
     # ---- the loop; `step` counts finished optimizer steps, so checkpoints sit on step boundaries
-    tokens_per_step = batch_size * block_size * grad_accum
+    tokens_per_step = world * batch_size * block_size * grad_accum
     kl_on = stage != "pretrain"
     m.train()
     ema_dt = None
@@ -400,30 +481,34 @@ def main():
                 grp["lr"] = grp["peak_lr"] * mult
         sums = dict.fromkeys(("loss", "lm", "mtp", "balance", "indexer_kl"), 0.0)
         for _ in range(grad_accum):
-            x, y = loader.get_batch("train", batch_size, block_size, generator=gen, device=dev)
+            x, y = get_batch("train", gen)
             with autocast:
                 _, losses = m(x, y, mtp_weight=mtp_w, balance_weight=balance_weight,
                               indexer_kl_weight=indexer_kl_weight, indexer_kl=kl_on)
             loss = losses["indexer_kl"] if stage == "dsa_warmup" else losses["loss"]
-            (loss / grad_accum).backward()
+            (loss / grad_accum).backward()  # FSDP: each rank's mean loss; gradients are averaged over ranks
             for k in sums:
                 sums[k] += (loss if k == "loss" else losses[k]).item() / grad_accum
+        if distributed:
+            sums = parallel.mean_over_ranks(sums, dev)  # equal rows per rank: the mean of means is the mean
         if grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(trainable, grad_clip)
+            clip = parallel.clip_grad_norm_ if distributed else torch.nn.utils.clip_grad_norm_
+            clip(trainable, grad_clip)
         for o in optimizers:
             o.step()
             o.zero_grad(set_to_none=True)
+        # the loads are summed over ranks inside, so every rank moves its bias copy the same way;
         # the frozen model in dsa_warmup keeps its router bias: rate 0 only resets the load counts
         model.update_router_bias(raw, 0.0 if stage == "dsa_warmup" else bias_update_rate)
         sync(dev)
         dt = time.perf_counter() - t0
         step += 1
         ema_dt = dt if ema_dt is None or step <= 2 else 0.9 * ema_dt + 0.1 * dt
-        if step % log_interval == 0 or step == max_iters:
+        if master and (step % log_interval == 0 or step == max_iters):
             tps = tokens_per_step / dt
-            mfu = 6 * n_active * tps / peak
+            mfu = 6 * n_active * tps / (peak * world)
             eta = ema_dt * (max_iters - step)
-            mem = f" | mem {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB" if dev.startswith("cuda") else ""
+            mem = f" | mem {torch.cuda.max_memory_allocated(dev) / 2**30:.2f} GiB" if dev.startswith("cuda") else ""
             print(f"step {step} | loss {sums['loss']:.4f} (lm {sums['lm']:.4f}, mtp {sums['mtp']:.4f}, "
                   f"bal {sums['balance']:.4f}, kl {sums['indexer_kl']:.4f}) | lr {mult * lr_muon:.2e} | "
                   f"{tps:,.0f} tok/s | mfu {100 * mfu:.2f}% | {1000 * dt:.0f} ms/step | eta {eta:.0f}s{mem}", flush=True)
@@ -432,19 +517,22 @@ def main():
                                     "tokens_per_s": tps, "mfu": mfu, "ms_per_step": 1000 * dt}) + "\n")
         if step % eval_interval == 0 or step == max_iters:
             val = evaluate()
-            print(f"step {step} | val lm {val:.4f}", flush=True)
-            with open(metrics_path, "a") as f:
-                f.write(json.dumps({"step": step, "val_lm": val}) + "\n")
+            log(f"step {step} | val lm {val:.4f}", flush=True)
+            if master:
+                with open(metrics_path, "a") as f:
+                    f.write(json.dumps({"step": step, "val_lm": val}) + "\n")
             checkpoint()
 
-    # ---- a short sample
+    # ---- a short sample (every rank decodes the same tokens: the sharded forward needs them all)
     if sample_tokens > 0:
         raw.eval()
         ids = torch.tensor([tok.encode(sample_prompt)], device=dev)
         with autocast:
             out = raw.generate(ids, sample_tokens, temperature=0.8, top_k=50)
         text = tok.decode([i for i in out[0].tolist() if i < tok.vocab_size])
-        print(f"sample ({sample_tokens} tokens):\n{text}")
+        log(f"sample ({sample_tokens} tokens):\n{text}")
+    if distributed:
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
