@@ -1,6 +1,6 @@
 """
-Training GLM-5 (GLM-5 report sections 2-3; SPEC sections 4-7): pretraining and the two DSA stages, with
-Muon (Muon Split) + AdamW, an MTP loss, aux-loss-free MoE balancing, checkpoints that resume exactly.
+Training GLM-5 (GLM-5 report sections 2-3; SPEC sections 4-7, 9): pretraining, the two DSA stages and SFT,
+with Muon (Muon Split) + AdamW, an MTP loss, aux-loss-free MoE balancing, checkpoints that resume exactly.
 
     batch (torch.Generator = data position) -> GLM5 forward -> lm + w_mtp * mtp + 1e-4 * balance (+ KL)
         -> backward (x grad_accum) -> clip -> Muon + AdamW step at lr(step) -> update_router_bias
@@ -11,6 +11,10 @@ Stages (`stage`):
                 is the indexer KL only (GLM-5: 1000 steps, lr 5e-3 -> 2e-4).
 - "dsa_sparse": dsa_mode "sparse", everything trains; the model detaches the indexer's inputs, so the
                 indexer learns only from the KL and the rest only from the LM loss.
+- "sft":        dsa_mode "sparse" with the indexer KL, as dsa_sparse (GLM-5 post-trains the sparse model), on
+                chat.py's conversations: the loss counts only the assistant's own tokens (its thinking,
+                answers, tool calls, end of turn); rows are packed conversations, not padding.
+The pipeline is pretrain -> dsa_warmup -> dsa_sparse -> sft, each stage --init_from the one before.
 Start a stage from another stage's checkpoint with --init_from=out/ckpt.pt (model weights only).
 
 Before allocating anything it prints the parameter and memory plan for the world size (parallel.py) and
@@ -25,6 +29,7 @@ Run it:
     python train.py configs/toy.py --max_iters=20 --batch_size=4
     python train.py configs/toy.py --resume=True        # continue from out_dir/ckpt.pt, exactly
     python train.py configs/toy.py --stage=dsa_warmup --init_from=out/ckpt.pt --out_dir=out_warmup
+    python train.py configs/toy.py --stage=sft --init_from=out_sparse/ckpt.pt --out_dir=out_sft
     python train.py configs/full.py --dry_run=True      # the 744B plan in seconds; --plan_world_size=N for N ranks
     torchrun --standalone --nproc_per_node=2 train.py configs/toy.py --device=cpu [--expert_parallel=True]
 Tests: python -m pytest -q tests/test_train.py tests/test_parallel.py
@@ -36,7 +41,7 @@ Honest limits:
 - The model is built whole on every rank (same seed) before sharding, and checkpoints hold the whole
   unsharded state on rank 0: fine up to what one host's RAM holds, not for the real 744B (see parallel.py).
 - Under FSDP, grad_accum > 1 reduce-scatters after every micro-batch (no no_sync), correct but slower.
-- No SFT, no chat template, no RL: pretraining and the DSA stages only.
+- SFT is single-format (chat.py's template on its generated stdlib conversations); no RL here (rl_async.py).
 - MFU counts 6 x activated parameters per token (MTP and attention's T^2 term left out), against a peak
   measured at start with a few timed matmuls, not a datasheet number.
 - Exact resume is tested on CPU in one process; resuming on 2 ranks, or a 2-rank checkpoint in one process,
@@ -60,6 +65,7 @@ from contextlib import nullcontext
 import numpy as np
 import torch
 
+import chat
 import data
 import model
 import muon
@@ -70,10 +76,11 @@ from tokenizer import get_tokenizer
 # Defaults: plain globals; a configs/*.py file, then --key=value, override them (and the ModelConfig fields)
 
 out_dir = "out"  # checkpoint ckpt.pt and metrics.jsonl go here
-stage = "pretrain"  # "pretrain" | "dsa_warmup" | "dsa_sparse"
+stage = "pretrain"  # "pretrain" | "dsa_warmup" | "dsa_sparse" | "sft"
 init_from = ""  # a ckpt.pt to take the model weights from (a stage starting from another's result)
 resume = False  # continue from out_dir/ckpt.pt: model, optimizers, step, RNGs, data position
 data_dir = "data/stdlib"  # tokenized corpus (data.py), relative to this file's folder
+sft_data_dir = "data/sft"  # tokenized SFT conversations and loss masks (chat.py), for stage "sft"
 tokenizer_vocab_size = 4096  # the BPE the data is tokenized with; must be <= the model's vocab_size
 batch_size = 8  # sequences per micro-batch
 block_size = 256  # training sequence length
@@ -104,9 +111,9 @@ expert_parallel = False  # under torchrun: each rank holds n_routed_experts / wo
 dry_run = False  # print the parameter and memory plan, then exit before allocating anything
 plan_world_size = 0  # plan for this many ranks (0: torchrun's WORLD_SIZE, 1 without torchrun)
 sample_tokens = 64  # tokens sampled from the prompt at the end (0: none)
-sample_prompt = "def "
+sample_prompt = "def "  # for stage "sft" it is the user message, rendered with chat.py's template
 
-STAGES = ("pretrain", "dsa_warmup", "dsa_sparse")
+STAGES = ("pretrain", "dsa_warmup", "dsa_sparse", "sft")
 TRAIN_KEYS = [k for k, v in list(globals().items()) if not k.startswith("_") and k.islower()
               and isinstance(v, (bool, int, float, str))]
 
@@ -166,7 +173,7 @@ def resolve_config(argv):
             model_kw[k] = cast_value(k, v, model_kw.get(k, getattr(model_defaults, k)), "command line")
     if train_cfg["stage"] not in STAGES:
         raise SystemExit(f"unknown stage {train_cfg['stage']!r}; choose one of {', '.join(STAGES)}")
-    model_kw["dsa_mode"] = "sparse" if train_cfg["stage"] == "dsa_sparse" else "dense"
+    model_kw["dsa_mode"] = "sparse" if train_cfg["stage"] in ("dsa_sparse", "sft") else "dense"
     try:
         cfg = model.ModelConfig(**model_kw)
     except ValueError as e:
@@ -366,11 +373,13 @@ def main():
     if cfg.vocab_size < tok.vocab_size:
         raise SystemExit(f"the model's vocab_size ({cfg.vocab_size}) is smaller than the tokenizer's "
                          f"({tok.vocab_size}); raise vocab_size or lower tokenizer_vocab_size")
-    if master:
-        data.prepare(tokenizer_vocab_size, out_dir=ddir, tokenizer=tok)
+    sdir = os.path.join(here, sft_data_dir)
+    if master:  # the corpus, or for SFT the rendered conversations (tokenized once, cached)
+        data.prepare(tokenizer_vocab_size, out_dir=ddir, tokenizer=tok) if stage != "sft" else \
+            chat.prepare_sft(tokenizer_vocab_size, out_dir=sdir, tokenizer=tok)
     if distributed:
-        torch.distributed.barrier()  # rank 0 tokenized the corpus (once, cached) before the others read it
-    loader = data.DataLoader(ddir)
+        torch.distributed.barrier()  # rank 0 wrote the data before the others read it
+    loader = chat.SFTLoader(sdir) if stage == "sft" else data.DataLoader(ddir)
     gen = torch.Generator().manual_seed(seed)  # its state is the data position (the same on every rank)
 
     def get_batch(split, g):
@@ -385,7 +394,11 @@ def main():
     if init_from:
         ck = load_checkpoint(init_from, "init_from")
         load_model_weights(m, ck["model"], init_from)
-        log(f"model weights from {init_from} (step {ck.get('step')}, stage {ck.get('config', {}).get('train', {}).get('stage')})")
+        from_stage = ck.get("config", {}).get("train", {}).get("stage")
+        log(f"model weights from {init_from} (step {ck.get('step')}, stage {from_stage})")
+        if stage == "sft" and from_stage in ("pretrain", None):
+            log("note: SFT attends sparsely through the indexer, which a pretrain checkpoint has not trained; "
+                "run dsa_warmup (and dsa_sparse) first for a faithful pipeline")
         ck = None
     if resume:
         ckpt_path = os.path.join(out_dir, "ckpt.pt")
@@ -470,7 +483,7 @@ def main():
 
     # ---- the loop; `step` counts finished optimizer steps, so checkpoints sit on step boundaries
     tokens_per_step = world * batch_size * block_size * grad_accum
-    kl_on = stage != "pretrain"
+    kl_on = stage != "pretrain"  # the indexer keeps learning from the KL in every sparse stage
     m.train()
     ema_dt = None
     while step < max_iters:
@@ -526,11 +539,19 @@ def main():
     # ---- a short sample (every rank decodes the same tokens: the sharded forward needs them all)
     if sample_tokens > 0:
         raw.eval()
-        ids = torch.tensor([tok.encode(sample_prompt)], device=dev)
+        if stage == "sft":  # a chat turn: the template's generation prompt, the reply parsed up to a stop token
+            prompt = chat.render([{"role": "user", "content": sample_prompt}], tok, add_generation_prompt=True)[0]
+        else:
+            prompt = tok.encode(sample_prompt)
+        ids = torch.tensor([prompt], device=dev)
         with autocast:
             out = raw.generate(ids, sample_tokens, temperature=0.8, top_k=50)
-        text = tok.decode([i for i in out[0].tolist() if i < tok.vocab_size])
-        log(f"sample ({sample_tokens} tokens):\n{text}")
+        new = [i for i in out[0, len(prompt):].tolist() if i < tok.vocab_size]
+        if stage == "sft":
+            log(f"sample reply to {sample_prompt!r} ({sample_tokens} tokens at most):\n"
+                f"{json.dumps(chat.parse_reply(new, tok), indent=1)}")
+        else:
+            log(f"sample ({sample_tokens} tokens):\n{sample_prompt}{tok.decode(new)}")
     if distributed:
         torch.distributed.destroy_process_group()
 

@@ -76,7 +76,7 @@ def test_unknown_key_in_config_file(tmp_path):
 
 def test_wrong_type_and_bad_values():
     for arg, words in (("--max_iters=abc", ["max_iters", "int"]), ("--lr_muon=True", ["lr_muon", "float"]),
-                       ("--hidden_size=3.5", ["hidden_size", "int"]), ("--stage=rl", ["stage", "dsa_warmup"]),
+                       ("--hidden_size=3.5", ["hidden_size", "int"]), ("--stage=rl", ["stage", "sft"]),
                        ("--device=tpu", ["tpu", "not supported"])):
         r = run(arg, check=False)
         assert r.returncode != 0 and "Traceback" not in r.stderr, (arg, r.stderr)
@@ -188,6 +188,34 @@ def test_dsa_sparse_stage_runs(pretrained, tmp_path):
     assert all(v[4] > 0 for v in recs.values()), r.stdout  # the KL is on
     ck = torch.load(tmp_path / "ckpt.pt", weights_only=False)
     assert ck["config"]["model"]["dsa_mode"] == "sparse"
+
+
+def test_sft_stage_trains_on_the_assistant_tokens_only(pretrained, tmp_path):
+    import chat
+    import model
+
+    prompt = "Write `add(a, b)`: Return a + b."
+    r = run(f"--out_dir={tmp_path}", "--stage=sft", f"--init_from={pretrained / 'ckpt.pt'}", "--max_iters=2",
+            "--eval_interval=2", "--sample_tokens=6", f"--sample_prompt={prompt}")
+    assert "SFT attends sparsely" in r.stdout  # a pretrain checkpoint: the untrained indexer is pointed out
+    assert all(v[4] > 0 for v in step_losses(tmp_path / "metrics.jsonl").values()), r.stdout  # the KL is on
+    reply = json.loads(r.stdout[r.stdout.index(f"sample reply to {prompt!r}"):].split("\n", 1)[1])
+    assert reply["role"] == "assistant" and isinstance(reply["content"], str)
+    # the logged val loss is the masked one: recompute it from the checkpoint on the same val batch
+    ck = torch.load(tmp_path / "ckpt.pt", weights_only=False)
+    assert ck["config"]["model"]["dsa_mode"] == "sparse" and ck["config"]["train"]["stage"] == "sft"
+    m = model.GLM5(model.ModelConfig(**ck["config"]["model"]))
+    m.load_state_dict(ck["model"])
+    m.eval()
+    loader = chat.SFTLoader(os.path.join(ROOT, ck["config"]["train"]["sft_data_dir"]))
+    x, y = loader.get_batch("val", 2, 32, generator=torch.Generator().manual_seed(ck["config"]["train"]["seed"] + 1))
+    assert (y == -1).any() and (y >= 0).any()
+    val = [json.loads(line)["val_lm"] for line in open(tmp_path / "metrics.jsonl") if "val_lm" in line][-1]
+    with torch.no_grad():
+        logits, losses = m(x, y, mtp_weight=0.0, balance_weight=0.0)
+        unmasked = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), x[:, 1:].flatten())
+    assert losses["lm"].item() == pytest.approx(val, rel=1e-5)
+    assert unmasked.item() != pytest.approx(val, rel=1e-3)  # the mask changes what is counted
 
 
 # -----------------------------------------------------------------------------
