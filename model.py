@@ -18,8 +18,9 @@ GLM-5, the model (GLM-5 report section 2; SPEC sections 1-6), in one file:
 Run it:
     python model.py configs/toy.py     # build, forward, backward, parameter table (seconds on a CPU)
     python model.py configs/full.py    # the 744B parameter table, instantly, on the meta device
-Honest limits: attention here is plain torch (SDPA for the dense path); the long-context speed of DSA
-and fast MoE are for Triton kernels (kernels.py, a later issue). The KV cache is one contiguous block per layer, not paged.
+Honest limits: attention here is plain torch (SDPA for the dense path), except that on a GPU the
+gathered DSA path's indexer and sparse attention run as Triton kernels (kernels.py); kernels.py's grouped
+experts and W4A8 matmul are not wired in here. The KV cache is one contiguous block per layer, not paged.
 """
 
 import dataclasses
@@ -35,6 +36,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import dsa
+import kernels
 import weights
 from dsa import upcast
 
@@ -261,14 +263,22 @@ class MLA(nn.Module):
 
         # DSA: with no more visible tokens than index_topk, top-k keeps them all and sparse == dense
         use_selection = sparse and S > c.index_topk
-        I = self.indexer.score(iq, iw, index_k_all) if (use_selection or want_kl) else None  # (B, T, S)
-        if use_selection:
+        # the gathered path runs as Triton kernels on a GPU (kernels.use_triton); the KL needs the torch path
+        fast = use_selection and dsa.IMPL == "gather" and not want_kl and kernels.use_triton(x)
+        I = self.indexer.score(iq, iw, index_k_all) if ((use_selection and not fast) or want_kl) else None  # (B, T, S)
+        if fast:
+            last = positions if cache is not None else torch.arange(T, device=x.device).expand(B, T)  # last visible key
+            idx, valid = kernels.index_topk(iq, iw, index_k_all, last, c.index_topk, self.indexer.softmax_scale)
+        elif use_selection:
             idx, valid = dsa.topk_select(I, visible, c.index_topk)  # (B, T, K)
 
         if use_selection and dsa.IMPL == "gather":  # the real sparse path: absorbed form only
             w_uk, w_uv = self.w_uk_uv()
             q_abs = torch.einsum("bthd,hdc->bthc", q_nope, w_uk)  # (B, T, H, C)
-            o_lat, probs = dsa.sparse_mla(q_abs, q_pe, latent_all, idx, valid, self.softmax_scale)
+            if fast:
+                o_lat, _ = kernels.sparse_mla(q_abs, q_pe, latent_all, idx, valid, self.softmax_scale)
+            else:
+                o_lat, probs = dsa.sparse_mla(q_abs, q_pe, latent_all, idx, valid, self.softmax_scale)
             o = torch.einsum("bthc,hvc->bthv", o_lat, w_uv)  # (B, T, H, v)
             if want_kl:
                 kl = dsa.indexer_kl(dsa.attention_target(probs, 2), I.gather(-1, idx), valid)
@@ -378,18 +388,23 @@ class MoE(nn.Module):
         if self.training and torch.is_grad_enabled():  # training steps only, not sampling mid-training
             self.tokens_per_expert += counts
         # group the (token, slot) pairs by expert, then run each expert once over its tokens
-        order = ids.flatten().argsort(stable=True)
-        token_of, w_sorted = order // k, w.flatten()[order]
-        y = torch.zeros_like(flat)
-        start = 0
-        for e, n in enumerate(counts.tolist()):
-            # an expert with no tokens still runs (on an empty batch) so its gradient is zeros, not None:
-            # FSDP2 ranks must agree on which gradients exist
-            tok = token_of[start:start + n]
-            y.index_add_(0, tok, (self.experts[e](flat[tok]) * w_sorted[start:start + n, None]).to(y.dtype))
-            start += n
+        order = ids.flatten().argsort(stable=True)  # (N * k,) pair indices, expert-major
+        xs = flat.index_select(0, order // k)  # (N * k, D) the tokens, grouped by expert
+        # an expert with no tokens still runs (on an empty batch) so its gradient is zeros, not None:
+        # FSDP2 ranks must agree on which gradients exist
+        outs = [self.experts[e](x_e) for e, x_e in enumerate(xs.split(counts.tolist()))]
+        y = combine_experts(torch.cat(outs), order, w)  # (N, D)
         balance = sequence_balance_loss(scores.view(B, T, E), ids.view(B, T, k), E) if want_balance else None
         return (y + self.shared_experts(flat)).view(B, T, D), balance
+
+
+def combine_experts(out_sorted, order, w):
+    """out_sorted (N * k, D): expert outputs for the (token, slot) pairs in expert-grouped `order`;
+    w (N, k) routing weights -> y (N, D) = sum over slots of w * out. The outputs go back to (token, slot)
+    order by one index_copy and are summed over the k slots: no scatter-add, which is slow on CPUs."""
+    N, k = w.shape
+    slots = torch.zeros_like(out_sorted).index_copy(0, order, out_sorted)  # (N * k, D), (token, slot) order
+    return (slots.view(N, k, -1) * w[..., None]).sum(1).to(out_sorted.dtype)
 
 
 def sequence_balance_loss(scores, ids, E):

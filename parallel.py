@@ -206,14 +206,13 @@ class ExpertParallelMoE(model.MoE):
         if self.training and torch.is_grad_enabled():
             self.tokens_per_expert += counts  # update_router_bias sums these over ranks
         order = ids.flatten().argsort(stable=True)  # (token, slot) pairs grouped by expert = by owner rank
-        token_of, w_sorted = order // k, w.flatten()[order]
         # 1. counts first: recv[src, j] = pairs rank src sends to my j-th expert
         recv = torch.empty_like(counts)
         dist.all_to_all_single(recv, counts, group=self.group)
         recv = recv.view(W, El)
         send_splits, recv_splits = counts.view(W, El).sum(1).tolist(), recv.sum(1).tolist()
         # 2. tokens to their experts' ranks; they arrive grouped by (source rank, expert)
-        got = all_to_all(flat[token_of], recv_splits, send_splits, self.group)  # (sum recv, D)
+        got = all_to_all(flat.index_select(0, order // k), recv_splits, send_splits, self.group)  # (sum recv, D)
         # 3. regroup by expert and run each local expert once over everything it received (even nothing:
         # every rank's optimizer then sees a gradient, as in the single-process model)
         expert_of = torch.arange(El, device=x.device).repeat(W).repeat_interleave(recv.flatten())
@@ -225,7 +224,7 @@ class ExpertParallelMoE(model.MoE):
         out = torch.cat(outs)[perm.argsort()]  # back to arrival order
         # 4. results back to the tokens' ranks, in the order they were sent
         back = all_to_all(out, send_splits, recv_splits, self.group)  # (N * k, D)
-        y = torch.zeros_like(flat).index_add_(0, token_of, (back * w_sorted[:, None]).to(flat.dtype))
+        y = model.combine_experts(back, order, w)  # (N, D)
         balance = model.sequence_balance_loss(scores.view(B, T, E), ids.view(B, T, k), E) if want_balance else None
         return (y + self.shared_experts(flat)).view(B, T, D), balance
 
