@@ -11,11 +11,13 @@ model.py calls into this file from its attention layer; nothing here knows about
 The switch `IMPL` chooses how sparse attention runs:
     "gather"  reads only the selected latents (B, T, K, 576): the real sparse computation
     "masked"  runs dense attention with everything but the selection masked to -inf: the reference
-kernels.py plugs a Triton implementation in behind the same switch later.
+On a GPU the "gather" path's index scores and sparse attention run as Triton kernels (kernels.py, whose
+one rule kernels.use_triton decides; NANOGLM_KERNELS=torch keeps the torch code here everywhere).
 
 Honest limits: these are plain torch reference paths. The index score passes through a
 (B, T, index_n_heads, S) fp32 intermediate and the gather is (B, T, K, 576), so memory grows with
-T*S*index_n_heads; long-context speed comes from Triton kernels (kernels.py, a later issue). Run its tests with `python -m pytest tests/test_dsa.py`.
+T*S*index_n_heads; kernels.py avoids both, except in the indexer KL stages, which keep this torch path
+(they need its probabilities and gradients). Run its tests with `python -m pytest tests/test_dsa.py`.
 """
 
 import torch
@@ -107,14 +109,21 @@ def sparse_mla(q_abs, q_pe, latent, idx, valid, softmax_scale):
     latent (B, S, C + R): [c_kv | k_pe] per token;  idx, valid (B, T, K).
     Returns o_lat (B, T, H, C) (W_UV is folded in by the caller) and probs (B, T, H, K) fp32.
     """
+    scores, c_sel = sparse_scores(q_abs, q_pe, latent, idx, valid, softmax_scale)
+    probs = scores.softmax(dim=-1)  # (B, T, H, K)
+    o_lat = torch.einsum("bthk,btkc->bthc", probs.to(c_sel.dtype), c_sel)
+    return o_lat, probs
+
+
+def sparse_scores(q_abs, q_pe, latent, idx, valid, softmax_scale):
+    """The gather and the scaled scores of sparse_mla (also kernels.py's reference): -> scores (B, T, H, K)
+    in fp32, -inf where invalid, and the gathered c_kv rows c_sel (B, T, K, C)."""
     B, T, H, C = q_abs.shape
     sel = latent[torch.arange(B, device=idx.device)[:, None, None], idx]  # (B, T, K, C + R)
     c_sel, pe_sel = sel.split([C, sel.shape[-1] - C], dim=-1)
     scores = torch.einsum("bthc,btkc->bthk", q_abs, c_sel) + torch.einsum("bthr,btkr->bthk", q_pe, pe_sel)
     scores = (upcast(scores) * softmax_scale).masked_fill(~valid[:, :, None, :], float("-inf"))
-    probs = scores.softmax(dim=-1)  # (B, T, H, K)
-    o_lat = torch.einsum("bthk,btkc->bthc", probs.to(c_sel.dtype), c_sel)
-    return o_lat, probs
+    return scores, c_sel
 
 
 # -----------------------------------------------------------------------------

@@ -1,0 +1,240 @@
+"""
+kernels.py's Triton kernels against their torch references at GLM-5 shapes (SPEC sections 1, 4, 10):
+64 heads over 576-d latents (512 + 64) with top-k 2048, a 32 x 128 lightning indexer, experts of
+6144 -> 2048 -> 6144 with 8 of them per token, and W4A8 expert matmuls; contexts 8K to 128K.
+
+Printed per row, measured side by side in this run: the reference's time, the kernel's time, the ratio
+(reference / kernel), and what the kernel achieves: TFLOP/s against this device's bf16 matmul peak and
+GB/s against its copy bandwidth, both measured at the start (8192^3 matmul; a 1 GiB device copy), and
+err = max |kernel - reference| / max |reference| (for the bf16 baseline row: W4A8's quantization error).
+FLOPs count the useful work (the indexer counts every visible key, sparse MLA 2 (2C + R) per head and
+selected key); bytes count the data a perfect kernel must move once (caches and weights read, outputs written).
+The anchors: FlashMLA's sparse decode reaches about 410 TFLOP/s on an H800; Marlin-style INT4 matmuls
+come close to 4x over bf16 at small batch.
+
+Run it:
+    python bench_kernels.py                                  # on a CUDA GPU: everything (a few minutes)
+    python bench_kernels.py --only=mla,w4a8 --contexts=8192  # a subset
+    python bench_kernels.py --interpret                      # tiny shapes under Triton's CPU interpreter:
+                                                             # proves every path runs and agrees; times nothing
+Without a GPU (and without --interpret) it says so and exits 0.
+
+Honest limits: one run, mean times from triton.testing.do_bench (L2 flushed between runs); random top-k
+positions and uniform random routing, not a trained model's; the sparse MLA training row pairs the Triton
+forward with the reference's recomputed backward (there is no backward kernel), so it shows that cost.
+"""
+
+import argparse
+import os
+import platform
+import sys
+import time
+
+import torch
+
+ap = argparse.ArgumentParser(description="kernels.py vs its torch references at GLM-5 shapes")
+ap.add_argument("--only", default="indexer,mla,moe,w4a8", help="comma list of: indexer, mla, moe, w4a8")
+ap.add_argument("--contexts", default="8192,32768,131072", help="context lengths for the indexer and sparse MLA")
+ap.add_argument("--experts", type=int, default=64, help="routed experts in the MoE rows (GLM-5 has 256; 64 keeps memory modest)")
+ap.add_argument("--interpret", action="store_true", help="tiny shapes through Triton's CPU interpreter (a smoke test)")
+args = ap.parse_args()
+parts = [p for p in args.only.split(",") if p]
+unknown = set(parts) - {"indexer", "mla", "moe", "w4a8"}
+if unknown:
+    sys.exit(f"--only: unknown part(s) {sorted(unknown)}; choose from indexer, mla, moe, w4a8")
+contexts = [int(c) for c in args.contexts.split(",") if c]
+
+if args.interpret:
+    os.environ["NANOGLM_KERNELS"] = "triton"  # kernels.py then defines its kernels under the interpreter
+    os.environ["TRITON_INTERPRET"] = "1"
+elif not torch.cuda.is_available():
+    print("bench_kernels.py needs a CUDA GPU to time the Triton kernels (this machine has none); "
+          "run with --interpret for a tiny-shape smoke test on the CPU")
+    sys.exit(0)
+
+import dsa  # noqa: E402
+import kernels  # noqa: E402
+
+DEV = "cpu" if args.interpret else "cuda"
+DT = torch.float32 if args.interpret else torch.bfloat16  # the interpreter mishandles bf16 dot products
+
+# -----------------------------------------------------------------------------
+# The machine, its peaks, and one timed row
+
+
+def describe_machine():
+    gpu = torch.cuda.get_device_name() if DEV == "cuda" else "no GPU (Triton interpreter)"
+    return f"machine: {platform.node()}, {gpu}, torch {torch.__version__}, triton {kernels.triton.__version__}"
+
+
+def time_ms(fn):
+    if DEV == "cpu":
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+    import triton.testing
+    return triton.testing.do_bench(fn, warmup=25, rep=100)
+
+
+def peaks():
+    if DEV == "cpu":
+        return None, None
+    a = torch.randn(8192, 8192, device=DEV, dtype=torch.bfloat16)
+    flops = 2 * 8192 ** 3 / (time_ms(lambda: a @ a) * 1e-3)
+    src = torch.empty(2 ** 30, device=DEV, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    gbs = 2 * src.numel() / (time_ms(lambda: dst.copy_(src)) * 1e-3)  # read + write
+    del a, src, dst
+    return flops, gbs
+
+
+def rel_err(got, ref):
+    """max |got - ref| / max |ref| over the finite entries; inf if they disagree on which are finite."""
+    got, ref = [(o[0] if isinstance(o, (tuple, list)) else o).float() for o in (got, ref)]
+    fin = ref.isfinite()
+    if not torch.equal(fin, got.isfinite()):
+        return float("inf")
+    return ((got - ref)[fin].abs().max() / ref[fin].abs().max().clamp_min(1e-30)).item() if fin.any() else 0.0
+
+
+def row(name, shape, ref_fn, fast_fn, flops, nbytes, check=True):
+    """Time the reference and the kernel; print both, the ratio and the kernel's achieved rates."""
+    try:
+        err = f"{rel_err(fast_fn(), ref_fn()):.1e}" if check else "-"
+        t_ref, t_fast = time_ms(ref_fn), time_ms(fast_fn)
+    except torch.cuda.OutOfMemoryError:
+        print(f"{name:24s} {shape:44s} skipped: out of GPU memory")
+        torch.cuda.empty_cache()
+        return
+    rates = ""
+    if PEAK_FLOPS:
+        tf, gb = flops / (t_fast * 1e-3), nbytes / (t_fast * 1e-3)
+        rates = (f" {tf / 1e12:7.1f} TFLOP/s ({100 * tf / PEAK_FLOPS:4.1f}%) {gb / 1e9:7.0f} GB/s "
+                 f"({100 * gb / PEAK_GBS:4.1f}%)")
+    print(f"{name:24s} {shape:44s} ref {t_ref:9.3f} ms  triton {t_fast:9.3f} ms  x{t_ref / t_fast:6.2f}{rates}  "
+          f"err {err}", flush=True)
+    if DEV == "cuda":
+        torch.cuda.empty_cache()
+
+
+def randn(*shape, dtype=None, scale=1.0):
+    return torch.randn(*shape, device=DEV, dtype=dtype or DT) * scale
+
+
+# -----------------------------------------------------------------------------
+# The four kernels
+
+
+def bench_indexer(Hi, Di, topk, S_list, cases):
+    for S in S_list:
+        for B, T in cases:  # decode (T = 1 per sequence) and a block of prefill queries at the end of the context
+            q, w, k = randn(B, T, Hi, Di, dtype=torch.float32), randn(B, T, Hi, dtype=torch.float32), randn(B, S, Di)
+            last = (torch.arange(S - T, S, device=DEV)).expand(B, T).contiguous()
+            scale = Di ** -0.5
+            flops = 2 * B * T * S * Hi * Di
+            nbytes = B * S * Di * k.element_size() + q.numel() * 4 + B * T * S * 4
+            shape = f"B={B} T={T} S={S} {Hi}x{Di}"
+            row("indexer scores", shape, lambda: kernels.index_scores_ref(q, w, k, last, scale),
+                lambda: kernels.index_scores(q, w, k, last, scale), flops, nbytes)
+            visible = torch.arange(S, device=DEV) <= last[..., None]
+            row("indexer + top-k", shape + f" k={topk}",
+                lambda: dsa.topk_select(kernels.index_scores_ref(q, w, k, last, scale), visible, min(topk, S))[0],
+                lambda: kernels.index_topk(q, w, k, last, topk, scale)[0], flops, nbytes, check=False)
+            del q, w, k
+
+
+def bench_sparse_mla(H, C, R, topk, S_list, cases, train_T):
+    scale = (192 + 64) ** -0.5
+    for S in S_list:
+        for B, T in cases:
+            q_abs, q_pe, latent = randn(B, T, H, C), randn(B, T, H, R), randn(B, S, C + R)
+            idx = torch.randint(0, S, (B, T, topk), device=DEV)  # random positions: the gather's worst case
+            valid = torch.ones(B, T, topk, dtype=torch.bool, device=DEV)
+            flops = B * T * H * topk * 2 * (2 * C + R)
+            nbytes = B * T * topk * (C + R) * latent.element_size() + 2 * q_abs.numel() * q_abs.element_size()
+            row("sparse MLA fwd", f"B={B} T={T} S={S} H={H} k={topk}",
+                lambda: kernels.sparse_mla_ref(q_abs, q_pe, latent, idx, valid, scale),
+                lambda: kernels.sparse_mla(q_abs, q_pe, latent, idx, valid, scale), flops, nbytes)
+            del q_abs, q_pe, latent, idx, valid
+    # training: forward + backward; the kernel path's backward is the reference's, recomputed
+    B, T, S = 1, train_T, S_list[0]
+    leaves = [randn(*s).requires_grad_() for s in ((B, T, H, C), (B, T, H, R), (B, S, C + R))]
+    idx = torch.sort(torch.randint(0, S, (B, T, topk), device=DEV), dim=-1).values
+    valid = torch.ones(B, T, topk, dtype=torch.bool, device=DEV)
+    g = randn(B, T, H, C)
+
+    def fwd_bwd(fn):
+        o, _ = fn(*leaves, idx, valid, scale)
+        return torch.autograd.grad(o, leaves, g)
+
+    flops = 3 * B * T * H * topk * 2 * (2 * C + R)
+    row("sparse MLA fwd+bwd", f"B={B} T={T} S={S} H={H} k={topk}", lambda: fwd_bwd(kernels.sparse_mla_ref),
+        lambda: fwd_bwd(kernels.sparse_mla), flops, 3 * B * T * topk * (C + R) * 2)
+
+
+def bench_moe(E, D, F_, k, token_counts):
+    w_gate, w_up, w_down = randn(E, F_, D, scale=0.02), randn(E, F_, D, scale=0.02), randn(E, D, F_, scale=0.02)
+    for N in token_counts:
+        x = randn(N, D)
+        ids = torch.rand(N, E, device=DEV).topk(k, dim=-1).indices  # uniform routing
+        w = torch.rand(N, k, device=DEV)
+        used = ids.unique().numel()
+        flops = 2 * N * k * D * F_ * 3
+        nbytes = used * 3 * D * F_ * w_gate.element_size() + 2 * N * D * x.element_size()
+
+        def run(mode):
+            saved, kernels.MODE = kernels.MODE, mode
+            try:
+                return kernels.moe_experts(x, ids, w, w_gate, w_up, w_down)
+            finally:
+                kernels.MODE = saved
+
+        row("MoE experts (grouped)", f"N={N} E={E} top-{k} {D}->{F_}->{D}", lambda: run("torch"),
+            lambda: run("triton"), flops, nbytes)
+
+
+def bench_w4a8(shapes, Ms, group_size):
+    for N, K in shapes:
+        w = randn(N, K, scale=0.02)
+        packed, w_scale = kernels.pack_int4(w, group_size)
+        for M in Ms:
+            x = randn(M, K)
+            xq, xs = kernels.quantize_act_ref(x)
+            flops, nbytes = 2 * M * N * K, packed.numel() + w_scale.numel() * 4 + M * K * (1 + x.element_size()) + M * N * 4
+            g = f"g{group_size}" if group_size else "per-channel"
+            row("W4A8 vs torch ref", f"M={M} N={N} K={K} {g}", lambda: kernels.w4a8_matmul_ref(xq, xs, packed, w_scale),
+                lambda: kernels.w4a8_matmul(xq, xs, packed, w_scale), flops, nbytes)
+            # the baseline that matters: the bf16 matmul it replaces (quantizing x included)
+            row("W4A8 vs bf16 matmul", f"M={M} N={N} K={K} {g}", lambda: x @ w.T,
+                lambda: kernels.w4a8_linear(x, packed, w_scale), flops, nbytes)
+
+
+# -----------------------------------------------------------------------------
+
+torch.manual_seed(0)
+print(describe_machine())
+PEAK_FLOPS, PEAK_GBS = peaks()
+if PEAK_FLOPS:
+    print(f"measured peaks: bf16 matmul {PEAK_FLOPS / 1e12:.0f} TFLOP/s, device copy {PEAK_GBS / 1e9:.0f} GB/s")
+else:
+    print("interpreter smoke test: tiny shapes, times are the interpreter's, not a GPU's; err = max |kernel - ref| / max |ref|")
+if args.interpret:  # tiny versions of every row
+    if "indexer" in parts:
+        bench_indexer(2, 32, 8, [40], [(2, 1), (1, 4)])
+    if "mla" in parts:
+        bench_sparse_mla(4, 32, 16, 8, [40], [(2, 1), (1, 3)], train_T=2)
+    if "moe" in parts:
+        bench_moe(4, 32, 32, 2, [5])
+    if "w4a8" in parts:
+        bench_w4a8([(32, 64)], [3], None)
+        bench_w4a8([(32, 64)], [3], 32)
+else:  # GLM-5: 64 heads, C = 512, R = 64, top-k 2048; indexer 32 x 128; experts 6144 -> 2048
+    if "indexer" in parts:
+        bench_indexer(32, 128, 2048, contexts, [(32, 1), (1, 128)])
+    if "mla" in parts:
+        bench_sparse_mla(64, 512, 64, 2048, contexts, [(64, 1), (1, 1024)], train_T=256)
+    if "moe" in parts:
+        bench_moe(args.experts, 6144, 2048, 8, [256, 4096])
+    if "w4a8" in parts:
+        bench_w4a8([(2048, 6144), (6144, 2048)], [1, 16, 128, 1024], None)
+print("done")

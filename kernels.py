@@ -1,0 +1,505 @@
+"""
+Triton kernels for GLM-5's hot paths, each next to the plain torch reference it must agree with
+(the GLM-5 report's section 2 on DSA, MLA and MoE, and its W4A8 deployment; the DeepSeek-V3.2 report's
+lightning indexer and sparse MLA; SPEC sections 3, 4, 5 and 10):
+
+    index_scores / index_topk  the lightning indexer: I[t, s] = sum_j w[t, j] ReLU(q[t, j] . k[s] * Di^-0.5),
+                               causal mask -> -inf, for a block of queries against the cached index keys;
+                               then a deterministic top-k (dsa.topk_select: ties go to the lower position)
+    sparse_mla                 MLA in the absorbed form over each query's top-k gathered latents [c_kv | k_pe],
+                               online softmax; returns o_lat and the log-sum-exp; prefill and decode shapes
+    moe_experts                routed experts over tokens grouped by expert: one launch for every expert's
+                               SwiGLU gate/up, one for every expert's down projection (empty experts are free)
+    w4a8_linear                INT4 weights (two per byte, per-channel or per-group scales) x INT8 per-token
+                               activations, integer accumulation, scaled output; quantize_act and pack_int4
+
+One switch, one rule (use_triton below), set by the environment variable NANOGLM_KERNELS:
+    auto    (default) Triton when the data is on a CUDA GPU, the torch reference otherwise
+    torch   the torch reference everywhere (the switch to compare against, on a GPU too)
+    triton  Triton everywhere; on a machine without CUDA that is Triton's CPU interpreter
+            (TRITON_INTERPRET=1, which this file sets before defining the kernels): slow, for tests
+model.py calls index_topk and sparse_mla from MLA.forward's gathered DSA path; the other kernels are called
+by their users directly (the MoE module keeps one nn.Module per expert, the checkpoint's layout).
+
+Run:
+    python -m pytest -q tests/test_kernels.py   # every kernel vs its reference, interpreter on CPU; GPU if any
+    python bench_kernels.py                     # GLM-5 shapes on a GPU: time, ratio, TFLOP/s and GB/s vs peak
+    python bench_kernels.py --interpret         # tiny shapes through the interpreter on a CPU: a smoke test
+
+Honest limits:
+- Tile sizes are fixed and untuned (no autotuning) and were chosen without a GPU at hand: expect these to
+  be well short of FlashMLA's ~410 TFLOP/s sparse decode or Marlin's ~4x INT4 speedup. They are written to be
+  read first; bench_kernels.py reports how far they are.
+- top-k after the index kernel is the reference's full stable sort over (B, T, S), not a fused top-k; the
+  scores (B, T, S) in fp32 are materialised, so feed long prefills in blocks of queries.
+- The index kernel does its dot products in the key cache's dtype, the reference in fp32: with a bf16 cache
+  the scores differ at ~1e-2 relative, so near-tied keys can swap in the top-k. An fp32 cache gets exact
+  fp32 dots (input_precision="ieee", no tensor cores: slow, meant for tests). Elsewhere fp32 dots on a GPU are tf32.
+- sparse_mla's backward is the torch reference's autograd, recomputed (no backward kernel): it
+  re-materialises the (B, T, K, 576) gather. The indexer KL stages keep dsa.py's torch path outright.
+- moe_experts wants the experts' weights stacked (stack_experts); the model keeps per-expert modules
+  and does not call it. W4A8 covers the MoE experts' format only (not W8A8 attention, not QuaRot).
+- The activation quantizer rounds half up (floor(v + 0.5)), in the reference too, so both agree exactly.
+- Written without a GPU: tested under Triton's interpreter and compiled for sm_90 (no register spills at
+  GLM-5 shapes), but the native GPU tests and bench_kernels.py had not yet been run when this was written.
+"""
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+import dsa
+from dsa import upcast
+
+# -----------------------------------------------------------------------------
+# The switch and the one dispatch rule
+
+MODE = os.environ.get("NANOGLM_KERNELS", "auto")  # "auto" | "torch" | "triton"
+if MODE not in ("auto", "torch", "triton"):
+    raise ValueError(f"NANOGLM_KERNELS={MODE!r} is not a kernel mode; use auto (Triton on CUDA), torch or triton")
+if MODE == "triton" and not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # read by @triton.jit when the kernels below are defined
+
+try:
+    import triton
+    import triton.language as tl
+    HAVE_TRITON = True
+except ImportError:  # e.g. macOS has no Triton wheel: the references still run; stand-ins let the defs parse
+    HAVE_TRITON = False
+
+    class triton:  # noqa: N801
+        jit = staticmethod(lambda fn: fn)
+
+    class tl:  # noqa: N801
+        constexpr = None
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # the state the kernels were defined in
+
+
+def use_triton(x):
+    """Triton or torch for data like `x`: Triton on CUDA (MODE auto) or always (MODE triton); torch otherwise."""
+    if MODE == "torch" or (MODE == "auto" and not (x.is_cuda and HAVE_TRITON)):
+        return False
+    if not HAVE_TRITON:
+        raise RuntimeError("NANOGLM_KERNELS=triton but Triton is not installed; pip install triton, or use NANOGLM_KERNELS=auto")
+    if not x.is_cuda and not INTERPRET:
+        raise RuntimeError("NANOGLM_KERNELS=triton with CPU tensors needs Triton's interpreter, which was off when "
+                           "kernels.py was imported; set TRITON_INTERPRET=1 before importing it")
+    return True
+
+
+def pow2(n, least=16):
+    """Tile width covering n: a power of two (tl.arange needs one), at least 16 (tl.dot needs that)."""
+    return max(least, 1 << (max(1, n) - 1).bit_length())
+
+
+def cdiv(a, b):
+    return -(-a // b)
+
+
+LOG2E = 1.4426950408889634  # the kernels' softmax uses exp2: exp(x) = exp2(x * log2(e))
+
+# -----------------------------------------------------------------------------
+# 1. The lightning indexer (dsa.Indexer.score, fused): q (B, T, Hi, Di) fp32, w (B, T, Hi) fp32,
+#    k (B, S, Di) the cached index keys, last (B, T): the last key position each query may see.
+
+
+def index_scores_ref(q, w, k, last, softmax_scale):
+    """dsa.Indexer.score's math, then the causal mask as -inf: -> I (B, T, S) fp32."""
+    dots = torch.einsum("bthd,bsd->bths", q, upcast(k).to(q.dtype)) * softmax_scale  # (B, T, Hi, S)
+    I = torch.einsum("bths,bth->bts", F.relu(dots), w)
+    visible = torch.arange(k.shape[1], device=k.device) <= last[..., None]  # (B, T, S)
+    return I.masked_fill(~visible, float("-inf"))
+
+
+@triton.jit
+def index_score_kernel(Q, W, K, LAST, I, T, S, HI, DI, scale,
+                       sq_b, sq_t, sq_h, sw_b, sw_t, sk_b, sk_s, sl_b, si_b, si_t,
+                       BLOCK_T: tl.constexpr, HP: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    # one program: BLOCK_T queries x BLOCK_S keys of one sequence. The q tile's rows are (query, head)
+    # pairs, so one tl.dot scores every index head of every query in the block against the key tile.
+    pid_s, pid_t, b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)  # (BLOCK_T,) queries
+    s = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)  # (BLOCK_S,) keys
+    r = tl.arange(0, BLOCK_T * HP)
+    rt, rh = pid_t * BLOCK_T + r // HP, r % HP  # each row's query and index head
+    d = tl.arange(0, BLOCK_D)
+    last = tl.load(LAST + b * sl_b + t, mask=t < T, other=-1)  # (BLOCK_T,)
+    out = tl.full((BLOCK_T, BLOCK_S), float("-inf"), tl.float32)
+    if pid_s * BLOCK_S <= tl.max(last):  # a tile wholly in every query's future stays -inf (causal: half)
+        row_ok = (rt < T) & (rh < HI)  # padded heads load q = 0 and w = 0
+        q = tl.load(Q + b * sq_b + rt[:, None] * sq_t + rh[:, None] * sq_h + d[None, :],
+                    mask=row_ok[:, None] & (d[None, :] < DI), other=0.0)  # (BLOCK_T * HP, BLOCK_D)
+        k = tl.load(K + b * sk_b + s[None, :] * sk_s + d[:, None],
+                    mask=(s[None, :] < S) & (d[:, None] < DI), other=0.0)  # (BLOCK_D, BLOCK_S), transposed
+        dots = tl.dot(q.to(k.dtype), k, input_precision="ieee") * scale  # (BLOCK_T * HP, BLOCK_S), fp32 accumulation
+        w = tl.load(W + b * sw_b + rt * sw_t + rh, mask=row_ok, other=0.0)
+        per_head = tl.maximum(dots, 0.0) * w[:, None]  # ReLU, then the query's weight for this head
+        score = tl.sum(tl.reshape(per_head, (BLOCK_T, HP, BLOCK_S)), axis=1)  # sum over heads
+        out = tl.where(s[None, :] <= last[:, None], score, float("-inf"))
+    tl.store(I + b * si_b + t[:, None].to(tl.int64) * si_t + s[None, :], out, mask=(t[:, None] < T) & (s[None, :] < S))
+
+
+def index_scores(q, w, k, last, softmax_scale, block_t=None, block_s=128):
+    """I (B, T, S) fp32: index scores of q's queries against keys k, -inf past each query's `last` key."""
+    if not use_triton(q):
+        return index_scores_ref(q, w, k, last, softmax_scale)
+    B, T, Hi, Di = q.shape
+    S = k.shape[1]
+    q, w, last = q.contiguous(), w.contiguous(), last.contiguous()
+    assert k.stride(-1) == 1, "index keys must be contiguous in their last dim"
+    HP = pow2(Hi, least=1)
+    block_t = block_t or min(pow2(T, least=1), max(1, 128 // HP))
+    block_t = max(block_t, 16 // HP)  # tl.dot needs >= 16 rows
+    I = torch.empty(B, T, S, device=q.device, dtype=torch.float32)
+    grid = (cdiv(S, block_s), cdiv(T, block_t), B)
+    index_score_kernel[grid](q, w, k, last, I, T, S, Hi, Di, softmax_scale,
+                             q.stride(0), q.stride(1), q.stride(2), w.stride(0), w.stride(1), k.stride(0), k.stride(1),
+                             last.stride(0), I.stride(0), I.stride(1),
+                             BLOCK_T=block_t, HP=HP, BLOCK_S=block_s, BLOCK_D=pow2(Di), num_warps=8)
+    return I
+
+
+def index_topk(q, w, k, last, topk, softmax_scale):
+    """Deterministic top-k of the index scores over visible keys -> idx, valid (B, T, min(topk, S))."""
+    I = index_scores(q, w, k, last, softmax_scale)
+    S = k.shape[1]
+    visible = torch.arange(S, device=k.device) <= last[..., None]
+    return dsa.topk_select(I, visible, min(topk, S))
+
+
+# -----------------------------------------------------------------------------
+# 2. Sparse MLA, absorbed form (dsa.sparse_mla): q_abs (B, T, H, C), q_pe (B, T, H, R),
+#    latent (B, S, C + R) = [c_kv | k_pe], idx / valid (B, T, K) from the indexer's top-k.
+
+
+def sparse_mla_ref(q_abs, q_pe, latent, idx, valid, softmax_scale):
+    """dsa.sparse_mla with the log-sum-exp in place of the probabilities: -> o_lat (B, T, H, C), lse (B, T, H)."""
+    scores, c_sel = dsa.sparse_scores(q_abs, q_pe, latent, idx, valid, softmax_scale)  # (B, T, H, K)
+    o_lat = torch.einsum("bthk,btkc->bthc", scores.softmax(dim=-1).to(c_sel.dtype), c_sel)
+    return o_lat, scores.logsumexp(dim=-1)
+
+
+@triton.jit
+def sparse_mla_kernel(QA, QP, LAT, IDX, VALID, O, LSE, T, H, K, C, R, K_SPLIT, scale_log2, sl_b, sl_s,
+                      BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr):
+    # one program: one query token (b, t), BLOCK_H of its heads (all heads share the token's selection, so
+    # each gathered latent row is loaded once for BLOCK_H heads: MQA), and one split of its K selected keys
+    bt, split = tl.program_id(0).to(tl.int64), tl.program_id(2)
+    b = bt // T
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    c, r = tl.arange(0, BLOCK_C), tl.arange(0, BLOCK_R)
+    q_abs = tl.load(QA + (bt * H + h[:, None]) * C + c[None, :], mask=(h[:, None] < H) & (c[None, :] < C), other=0.0)
+    q_pe = tl.load(QP + (bt * H + h[:, None]) * R + r[None, :], mask=(h[:, None] < H) & (r[None, :] < R), other=0.0)
+    m = tl.full((BLOCK_H,), float("-inf"), tl.float32)  # running max of the scores (log2 units)
+    l = tl.zeros((BLOCK_H,), tl.float32)  # running sum of exp2(score - m)
+    acc = tl.zeros((BLOCK_H, BLOCK_C), tl.float32)  # running sum of exp2(score - m) * c_kv
+    k_lo = split * K_SPLIT
+    k_hi = tl.minimum(k_lo + K_SPLIT, K)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        ok = tl.load(VALID + bt * K + kk, mask=kk < k_hi, other=0) != 0  # (BLOCK_K,) invalid or past the end
+        pos = tl.load(IDX + bt * K + kk, mask=ok, other=0)  # token positions to gather
+        row = LAT + b * sl_b + pos.to(tl.int64) * sl_s  # (BLOCK_K,) pointers to the latent rows
+        c_kv = tl.load(row[:, None] + c[None, :], mask=ok[:, None] & (c[None, :] < C), other=0.0)  # (BLOCK_K, BLOCK_C)
+        k_pe = tl.load(row[:, None] + C + r[None, :], mask=ok[:, None] & (r[None, :] < R), other=0.0)
+        s = tl.dot(q_abs, tl.trans(c_kv)) + tl.dot(q_pe, tl.trans(k_pe))  # (BLOCK_H, BLOCK_K) fp32
+        s = tl.where(ok[None, :], s * scale_log2, float("-inf"))
+        # online softmax: rescale what was summed so far to the new running max
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing valid yet: keep exp2 away from NaN
+        alpha = tl.exp2(m - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(c_kv.dtype), c_kv)
+        m = m_new
+    l_safe = tl.where(l > 0, l, 1.0)  # a split with no valid key writes o = 0 (acc is 0) and lse = -inf
+    o = acc / l_safe[:, None]
+    lse = tl.where(l > 0, (m + tl.log2(l_safe)) / 1.4426950408889634, float("-inf"))
+    n_split = tl.num_programs(2)
+    out_row = (bt * n_split + split) * H + h  # O is (B*T, n_split, H, C), LSE (B*T, n_split, H)
+    tl.store(O + out_row[:, None] * C + c[None, :], o.to(O.dtype.element_ty), mask=(h[:, None] < H) & (c[None, :] < C))
+    tl.store(LSE + out_row, lse, mask=h < H)
+
+
+def sparse_mla_fwd(q_abs, q_pe, latent, idx, valid, softmax_scale, num_splits=None, block_h=16, block_k=32):
+    B, T, H, C = q_abs.shape
+    R, K = q_pe.shape[-1], idx.shape[-1]
+    q_abs, q_pe, idx = q_abs.contiguous(), q_pe.contiguous(), idx.contiguous()
+    valid = valid.contiguous().view(torch.uint8)  # bytes: plain int8 loads in the kernel
+    assert latent.stride(-1) == 1, "the latent cache must be contiguous in its last dim"
+    programs = B * T * cdiv(H, block_h)
+    if num_splits is None:  # decode has few (token, head block) programs: split K across more (flash-decoding)
+        sms = torch.cuda.get_device_properties(q_abs.device).multi_processor_count if q_abs.is_cuda else 1
+        num_splits = max(1, min(cdiv(2 * sms, programs), cdiv(K, 8 * block_k)))
+    k_split = cdiv(cdiv(K, num_splits), block_k) * block_k  # each split a whole number of key blocks
+    n_split = max(1, cdiv(K, k_split))
+    # one split writes the output directly; several write fp32 partials that are merged below
+    o = torch.empty(B * T, n_split, H, C, device=q_abs.device, dtype=q_abs.dtype if n_split == 1 else torch.float32)
+    lse = torch.empty(B * T, n_split, H, device=q_abs.device, dtype=torch.float32)
+    sparse_mla_kernel[(B * T, cdiv(H, block_h), n_split)](
+        q_abs, q_pe, latent, idx, valid, o, lse, T, H, K, C, R, k_split, softmax_scale * LOG2E,
+        latent.stride(0), latent.stride(1),
+        BLOCK_H=block_h, BLOCK_K=block_k, BLOCK_C=pow2(C), BLOCK_R=pow2(R), num_warps=4, num_stages=2)
+    if n_split > 1:  # merge the splits: softmax over the union = lse-weighted average of the parts
+        total = torch.logsumexp(lse, dim=1, keepdim=True)  # (B*T, 1, H)
+        part = torch.exp(lse - total).nan_to_num(0.0)  # a row with nothing valid anywhere: weights 0
+        o, lse = (o * part[..., None]).sum(1, keepdim=True).to(q_abs.dtype), total
+    return o.view(B, T, H, C), lse.view(B, T, H)
+
+
+class SparseMLA(torch.autograd.Function):
+    """The Triton forward; the backward recomputes the torch reference and differentiates that
+    (no backward kernel: correct gradients at the reference's memory and speed)."""
+
+    @staticmethod
+    def forward(ctx, q_abs, q_pe, latent, idx, valid, softmax_scale, num_splits):
+        ctx.save_for_backward(q_abs, q_pe, latent, idx, valid)
+        ctx.softmax_scale = softmax_scale
+        return sparse_mla_fwd(q_abs, q_pe, latent, idx, valid, softmax_scale, num_splits)
+
+    @staticmethod
+    def backward(ctx, d_o, d_lse):
+        q_abs, q_pe, latent, idx, valid = ctx.saved_tensors
+        inputs = [t.detach().requires_grad_(need) for t, need in zip((q_abs, q_pe, latent), ctx.needs_input_grad)]
+        with torch.enable_grad():
+            o, lse = sparse_mla_ref(*inputs, idx, valid, ctx.softmax_scale)
+            wrt = [t for t in inputs if t.requires_grad]
+            grads = iter(torch.autograd.grad((o, lse), wrt, (d_o, d_lse), allow_unused=True))
+        return tuple(next(grads) if t.requires_grad else None for t in inputs) + (None,) * 4
+
+
+def sparse_mla(q_abs, q_pe, latent, idx, valid, softmax_scale, num_splits=None):
+    """Each query's attention over only its selected latents -> o_lat (B, T, H, C), lse (B, T, H) fp32.
+    Differentiable. num_splits: pieces the K keys of each query are cut into (None: chosen for the GPU)."""
+    if not use_triton(q_abs):
+        return sparse_mla_ref(q_abs, q_pe, latent, idx, valid, softmax_scale)
+    return SparseMLA.apply(q_abs, q_pe, latent, idx, valid, softmax_scale, num_splits)
+
+
+# -----------------------------------------------------------------------------
+# 3. Grouped expert matmuls (model.MoE's experts): rows of x sorted by expert; offsets (E + 1,) with
+#    expert e's rows at offsets[e]:offsets[e + 1]; weights stacked as w_gate, w_up (E, F, D), w_down (E, D, F).
+
+
+def stack_experts(moe):
+    """model.MoE's per-expert weights (the checkpoint layout) -> w_gate, w_up (E, F, D) and w_down (E, D, F)."""
+    return tuple(torch.stack([getattr(e, n).weight for e in moe.experts]) for n in ("gate_proj", "up_proj", "down_proj"))
+
+
+def grouped_swiglu_ref(x, offsets, w_gate, w_up):
+    h = x.new_empty(x.shape[0], w_gate.shape[1])
+    for e, (a, b) in enumerate(zip(offsets[:-1].tolist(), offsets[1:].tolist())):
+        h[a:b] = F.silu(x[a:b] @ w_gate[e].T) * (x[a:b] @ w_up[e].T)
+    return h
+
+
+def grouped_down_ref(h, offsets, w_down, row_weight):
+    out = h.new_empty(h.shape[0], w_down.shape[1])
+    for e, (a, b) in enumerate(zip(offsets[:-1].tolist(), offsets[1:].tolist())):
+        out[a:b] = (h[a:b] @ w_down[e].T) * row_weight[a:b, None]
+    return out
+
+
+def expert_tiles(offsets, n_rows, block_m):
+    """The launch schedule, without a host sync: tile i covers rows row[i]:row[i] + block_m of expert e[i].
+    The grid is an upper bound on the tile count, cdiv(n_rows, block_m) + E; spare tiles get e = E and idle."""
+    E = offsets.numel() - 1
+    tiles = (offsets[1:] - offsets[:-1] + block_m - 1) // block_m  # (E,) tiles per expert, 0 if it is empty
+    ends = tiles.cumsum(0)  # expert e owns tiles ends[e] - tiles[e] .. ends[e] - 1
+    i = torch.arange(cdiv(n_rows, block_m) + E, device=offsets.device)
+    e = torch.searchsorted(ends, i, right=True)  # (n_tiles,)
+    e_ = e.clamp(max=E - 1)
+    row = offsets[e_] + (i - ends[e_] + tiles[e_]) * block_m
+    return e.to(torch.int32), row.to(torch.int32)
+
+
+@triton.jit
+def grouped_matmul_kernel(X, W1, W2, ROW_W, Y, OFFS, TILE_E, TILE_ROW, E, N_OUT, K_IN, sx, sw_e, sw_n, sy,
+                          SWIGLU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # one program: BLOCK_M rows of one expert x BLOCK_N output columns. SWIGLU: y = silu(x W1^T) * (x W2^T)
+    # (gate and up in one pass over x); else y = (x W1^T) * row weight (down, with the routing weight)
+    tile, pid_n = tl.program_id(0), tl.program_id(1)
+    e = tl.load(TILE_E + tile)
+    if e < E:  # spare tiles at the end of the grid do nothing
+        row0 = tl.load(TILE_ROW + tile)
+        rows = row0 + tl.arange(0, BLOCK_M)
+        row_ok = rows < tl.load(OFFS + e + 1)  # this expert's last row
+        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        kk = tl.arange(0, BLOCK_K)
+        w_off = e.to(tl.int64) * sw_e + n[None, :] * sw_n  # (1, BLOCK_N): column n of W^T is row n of W
+        acc1 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        acc2 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        for k0 in range(0, K_IN, BLOCK_K):
+            k = k0 + kk
+            x = tl.load(X + rows[:, None].to(tl.int64) * sx + k[None, :], mask=row_ok[:, None] & (k[None, :] < K_IN), other=0.0)
+            w_mask = (k[:, None] < K_IN) & (n[None, :] < N_OUT)
+            acc1 = tl.dot(x, tl.load(W1 + w_off + k[:, None], mask=w_mask, other=0.0), acc1)  # (BLOCK_K, BLOCK_N) tiles
+            if SWIGLU:
+                acc2 = tl.dot(x, tl.load(W2 + w_off + k[:, None], mask=w_mask, other=0.0), acc2)
+        if SWIGLU:
+            y = acc1 * tl.sigmoid(acc1) * acc2
+        else:
+            y = acc1 * tl.load(ROW_W + rows, mask=row_ok, other=0.0)[:, None]
+        tl.store(Y + rows[:, None].to(tl.int64) * sy + n[None, :], y.to(Y.dtype.element_ty), mask=row_ok[:, None] & (n[None, :] < N_OUT))
+
+
+def grouped_matmul(x, offsets, w1, w2, row_weight, swiglu, block_m=64, block_n=64, block_k=64):
+    N, K_in = x.shape
+    E, N_out = w1.shape[0], w1.shape[1]
+    x, w1, w2 = x.contiguous(), w1.contiguous(), w2.contiguous()
+    y = torch.empty(N, N_out, device=x.device, dtype=x.dtype)
+    tile_e, tile_row = expert_tiles(offsets, N, block_m)
+    grid = (tile_e.numel(), cdiv(N_out, block_n))
+    grouped_matmul_kernel[grid](x, w1, w2, row_weight, y, offsets, tile_e, tile_row, E, N_out, K_in,
+                                x.stride(0), w1.stride(0), w1.stride(1), y.stride(0),
+                                SWIGLU=swiglu, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=3)
+    return y
+
+
+def grouped_swiglu(x, offsets, w_gate, w_up, **blocks):
+    """x (N, D) grouped by expert -> h (N, F) = silu(x W_gate[e]^T) * (x W_up[e]^T), every expert in one launch."""
+    if not use_triton(x):
+        return grouped_swiglu_ref(x, offsets, w_gate, w_up)
+    return grouped_matmul(x, offsets, w_gate, w_up, None, True, **blocks)
+
+
+def grouped_down(h, offsets, w_down, row_weight, **blocks):
+    """h (N, F) grouped by expert -> (N, D) = (h W_down[e]^T) * row_weight, every expert in one launch."""
+    if not use_triton(h):
+        return grouped_down_ref(h, offsets, w_down, row_weight)
+    return grouped_matmul(h, offsets, w_down, w_down, row_weight.float().contiguous(), False, **blocks)
+
+
+def moe_experts(x, ids, weights, w_gate, w_up, w_down):
+    """The routed part of model.MoE.forward: x (N, D), the router's ids and weights (N, k) ->
+    y (N, D) = sum over slots of weights * Expert_ids(x). Sort the (token, slot) pairs by expert, run
+    the two grouped launches, add each pair's result back onto its token."""
+    N, k = ids.shape
+    E = w_gate.shape[0]
+    order = ids.flatten().argsort(stable=True)  # (N * k,) pairs, grouped by expert
+    token_of = order // k
+    offsets = F.pad(torch.bincount(ids.flatten(), minlength=E).cumsum(0), (1, 0))  # (E + 1,)
+    h = grouped_swiglu(x[token_of], offsets, w_gate, w_up)  # (N * k, F)
+    out = grouped_down(h, offsets, w_down, weights.flatten()[order])  # (N * k, D), routing weight applied
+    return torch.zeros_like(x).index_add_(0, token_of, out.to(x.dtype))
+
+
+# -----------------------------------------------------------------------------
+# 4. W4A8 (SPEC 10): weights as signed INT4 in [-8, 7], two per byte along K (low nibble = even k), with
+#    scales per output channel (group_size None) or per group of group_size inputs; activations as INT8
+#    in [-127, 127] with one scale per token. y = x_scale[m] * sum_g w_scale[n, g] * sum_{k in g} xq[m, k] wq[n, k].
+
+
+def pack_int4(w, group_size=None):
+    """w (N, K) float -> packed (N, K // 2) int8 and scales (N, K // group_size) fp32 (symmetric, absmax / 7)."""
+    N, K = w.shape
+    g = group_size or K
+    if K % 2 or K % g:
+        raise ValueError(f"pack_int4 needs an even K divisible by group_size; got K={K}, group_size={group_size}")
+    wg = w.float().view(N, K // g, g)
+    scale = wg.abs().amax(-1).clamp_min(1e-12) / 7  # (N, G)
+    q = torch.round(wg / scale[..., None]).clamp(-8, 7).to(torch.int32).view(N, K)
+    packed = (q[:, 0::2] & 0xF) | ((q[:, 1::2] & 0xF) << 4)  # (N, K // 2) in 0..255
+    return packed.to(torch.uint8).view(torch.int8), scale
+
+
+def unpack_int4(packed):
+    """(N, K // 2) int8 -> (N, K) int8 in [-8, 7]: the low nibble sign-extended, then the high one."""
+    p = packed.to(torch.int32)
+    lo, hi = ((p & 0xF) ^ 8) - 8, p >> 4  # arithmetic shift: the high nibble keeps the byte's sign
+    return torch.stack([lo, hi], dim=-1).flatten(-2).to(torch.int8)
+
+
+def quantize_act_ref(x):
+    x = x.float()
+    scale = x.abs().amax(-1).clamp_min(1e-12) / 127  # (M,)
+    return torch.floor(x / scale[:, None] + 0.5).clamp(-127, 127).to(torch.int8), scale
+
+
+@triton.jit
+def quantize_act_kernel(X, XQ, SCALE, K, sx, sq, BLOCK_K: tl.constexpr):
+    # one program per token row: pass 1 finds the absmax, pass 2 writes round-half-up(x / scale)
+    row = tl.program_id(0).to(tl.int64)
+    amax = tl.zeros((BLOCK_K,), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        amax = tl.maximum(amax, tl.abs(tl.load(X + row * sx + k, mask=k < K, other=0.0).to(tl.float32)))
+    scale = tl.div_rn(tl.maximum(tl.max(amax), 1e-12), 127.0)  # IEEE division, as torch's
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(X + row * sx + k, mask=k < K, other=0.0).to(tl.float32)
+        q = tl.minimum(tl.maximum(tl.floor(tl.div_rn(x, scale) + 0.5), -127.0), 127.0)
+        tl.store(XQ + row * sq + k, q.to(tl.int8), mask=k < K)
+    tl.store(SCALE + row, scale)
+
+
+def quantize_act(x, block_k=1024):
+    """Per-token dynamic symmetric INT8: x (M, K) -> x_q (M, K) int8, scale (M,) fp32; x ~ x_q * scale."""
+    if not use_triton(x):
+        return quantize_act_ref(x)
+    M, K = x.shape
+    x = x.contiguous()
+    xq = torch.empty(M, K, device=x.device, dtype=torch.int8)
+    scale = torch.empty(M, device=x.device, dtype=torch.float32)
+    quantize_act_kernel[(M,)](x, xq, scale, K, x.stride(0), xq.stride(0), BLOCK_K=min(block_k, pow2(K)))
+    return xq, scale
+
+
+def w4a8_matmul_ref(xq, x_scale, packed, w_scale, out_dtype=torch.float32):
+    """The same integer math in torch. The group sums are integers below 2^24 (|xq wq| <= 127 * 8, so for
+    groups up to 16K inputs), which fp32 holds exactly: an fp32 matmul gives exact integer sums."""
+    M, K = xq.shape
+    N, G = w_scale.shape
+    wq = unpack_int4(packed)
+    acc = torch.einsum("mgk,ngk->mng", xq.view(M, G, K // G).float(), wq.view(N, G, K // G).float())  # (M, N, G)
+    return ((acc * w_scale[None]).sum(-1) * x_scale[:, None]).to(out_dtype)
+
+
+@triton.jit
+def w4a8_matmul_kernel(XQ, XS, WP, WS, Y, M, N, K, GROUP, sx, sw, sws, sy,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for g0 in range(0, K, GROUP):  # one scale group at a time (per-channel: one group, GROUP = K)
+        acc_i = tl.zeros((BLOCK_M, BLOCK_N), tl.int32)  # exact integer sum within the group
+        for k0 in range(g0, tl.minimum(g0 + GROUP, K), BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(XQ + m[:, None].to(tl.int64) * sx + k[None, :], mask=(m[:, None] < M) & (k[None, :] < K), other=0)
+            kp = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # packed bytes: two weights each
+            p = tl.load(WP + n[:, None].to(tl.int64) * sw + kp[None, :], mask=(n[:, None] < N) & (kp[None, :] < K // 2), other=0)
+            lo = (p << 4) >> 4  # int8 shifts: the low nibble, sign-extended
+            hi = p >> 4  # the high nibble (arithmetic shift keeps the sign)
+            w = tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K))  # interleave back: k = 2j (lo), 2j + 1 (hi)
+            acc_i += tl.dot(x, tl.trans(w), out_dtype=tl.int32)  # int8 x int8 -> int32 tensor cores
+        w_scale = tl.load(WS + n * sws + g0 // GROUP, mask=n < N, other=0.0)
+        acc += acc_i.to(tl.float32) * w_scale[None, :]
+    y = acc * tl.load(XS + m, mask=m < M, other=0.0)[:, None]
+    tl.store(Y + m[:, None].to(tl.int64) * sy + n[None, :], y.to(Y.dtype.element_ty), mask=(m[:, None] < M) & (n[None, :] < N))
+
+
+def w4a8_matmul(xq, x_scale, packed, w_scale, out_dtype=torch.float32, block_m=32, block_n=64, block_k=128):
+    """xq (M, K) int8, x_scale (M,), packed (N, K // 2) int8, w_scale (N, G) -> y (M, N) in out_dtype."""
+    if not use_triton(xq):
+        return w4a8_matmul_ref(xq, x_scale, packed, w_scale, out_dtype)
+    M, K = xq.shape
+    N, G = w_scale.shape
+    group = K // G
+    block_k = min(block_k, group) if G > 1 else block_k  # a group is a whole number of K tiles
+    if G > 1 and (group % block_k or block_k < 16 or block_k & (block_k - 1)):
+        raise ValueError(f"w4a8_matmul needs group_size a power of two >= 16, got {group}")
+    xq, packed, w_scale = xq.contiguous(), packed.contiguous(), w_scale.contiguous()
+    y = torch.empty(M, N, device=xq.device, dtype=out_dtype)
+    w4a8_matmul_kernel[(cdiv(M, block_m), cdiv(N, block_n))](
+        xq, x_scale, packed, w_scale, y, M, N, K, group, xq.stride(0), packed.stride(0), w_scale.stride(0), y.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=3)
+    return y
+
+
+def w4a8_linear(x, packed, w_scale):
+    """F.linear(x, W) with W stored by pack_int4: x (..., K) -> (..., N) in x's dtype, via INT8 activations."""
+    xq, x_scale = quantize_act(x.reshape(-1, x.shape[-1]))
+    y = w4a8_matmul(xq, x_scale, packed, w_scale, out_dtype=x.dtype)
+    return y.view(*x.shape[:-1], -1)

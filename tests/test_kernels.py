@@ -1,0 +1,278 @@
+"""kernels.py: every Triton kernel against its torch reference, on fresh random inputs with ragged sizes.
+
+On a CPU the kernels run under Triton's interpreter, in fp32 and fp16 (the interpreter mishandles bf16 dot
+products); with a CUDA GPU the same tests also run natively, bf16 included. Triton's interpreter must be
+switched on before triton is first imported, and the other test modules import it (through model.py)
+without it, so `test_kernels_under_the_interpreter` runs this file again in a fresh process with
+TRITON_INTERPRET=1 NANOGLM_KERNELS=triton; to see its tests one by one, run that yourself:
+    TRITON_INTERPRET=1 NANOGLM_KERNELS=triton python -m pytest -q tests/test_kernels.py
+Every buffer a kernel wrapper allocates with torch.empty is poisoned first (NaN; -128 for int8, a value no
+kernel writes), so an element a kernel forgets to write fails the comparison.
+"""
+
+import contextlib
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import dsa
+import kernels
+import model
+from conftest import randomize, tiny_config
+
+pytest.importorskip("triton")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+INTERPRETED = kernels.INTERPRET and kernels.MODE == "triton"  # this process is the interpreter run
+if INTERPRETED:
+    CASES = [("cpu", torch.float32), ("cpu", torch.float16)]
+elif torch.cuda.is_available() and kernels.use_triton(torch.zeros(1, device="cuda")):
+    CASES = [("cuda", torch.float32), ("cuda", torch.float16), ("cuda", torch.bfloat16)]
+else:
+    CASES = []  # nothing native to run here: the kernels run in the interpreter process
+# max |kernel - reference| / max |reference|; GPU fp32 dots run as tf32
+TOL = {("cpu", torch.float32): 2e-6, ("cuda", torch.float32): 5e-3, torch.float16: 1e-2, torch.bfloat16: 4e-2}
+
+
+def test_kernels_under_the_interpreter():
+    if INTERPRETED:
+        pytest.skip("this is the interpreter run")
+    env = dict(os.environ, TRITON_INTERPRET="1", NANOGLM_KERNELS="triton")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(__file__)],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and " passed" in r.stdout, r.stdout[-6000:] + r.stderr[-2000:]
+
+
+@pytest.fixture(params=CASES or [pytest.param(None, marks=pytest.mark.skip("no Triton device in this process"))],
+                ids=lambda c: f"{c[0]}-{str(c[1])[6:]}" if c else "none")
+def case(request):
+    dev, dtype = request.param
+    return kernels, dev, dtype, TOL.get((dev, dtype), TOL.get(dtype))
+
+
+@contextlib.contextmanager
+def poisoned():
+    real = torch.empty
+
+    def empty(*shape, **kw):
+        t = real(*shape, **kw)
+        return t.fill_(float("nan") if t.is_floating_point() else -128 if t.dtype == torch.int8 else 0)
+
+    torch.empty = empty
+    try:
+        yield
+    finally:
+        torch.empty = real
+
+
+def rel_err(got, ref):
+    got, ref = got.double(), ref.double()
+    assert not got.isnan().any(), "the kernel left elements unwritten (NaN poison survived)"
+    fin = ref.isfinite()
+    assert torch.equal(fin, got.isfinite()) and torch.equal(got[~fin], ref[~fin])  # the same -inf entries
+    return ((got - ref)[fin].abs().max() / ref[fin].abs().max().clamp_min(1e-30)).item()
+
+
+def randn(*shape, dev, dtype=torch.float32, scale=1.0):
+    return (scale * torch.randn(*shape, dtype=torch.float64)).to(dev, dtype)
+
+
+# -----------------------------------------------------------------------------
+# 1. The lightning indexer
+
+
+@pytest.mark.parametrize("B, T, S, topk", [(2, 7, 45, 9), (3, 1, 37, 50)])  # a prefill block; decode, k > S
+def test_index_scores_and_topk(case, B, T, S, topk):
+    K, dev, dtype, tol = case
+    Hi, Di = 3, 24  # not powers of two: padded heads and dims must not count
+    ind = dsa.Indexer(40, 16, Hi, Di, 8).to(dev)  # the model's own scoring code is the reference
+    q, w = randn(B, T, Hi, Di, dev=dev), randn(B, T, Hi, dev=dev)
+    k = randn(B, S, Di, dev=dev, dtype=dtype)
+    last = torch.randint(0, S, (B, T), device=dev)  # a query sees keys 0..last: ragged visible prefixes
+    last[0, 0] = 2  # fewer visible keys than topk: invalid tail
+    visible = torch.arange(S, device=dev) <= last[..., None]
+    ref = ind.score(q, w, k.float()).masked_fill(~visible, float("-inf"))
+    assert K.use_triton(q)
+    with poisoned():
+        got = K.index_scores(q, w, k, last, ind.softmax_scale, block_s=16)
+    assert rel_err(got, ref) < tol
+    idx, valid = K.index_topk(q, w, k, last, topk, ind.softmax_scale)
+    ridx, rvalid = dsa.topk_select(ref, visible, min(topk, S))
+    assert torch.equal(valid, rvalid) and not valid[0, 0, 3:].any()
+    # the chosen keys are the best ones under the reference scores (near-ties may swap in bf16)
+    picked = ref.gather(-1, idx).masked_fill(~valid, 0).sort(-1).values
+    best = ref.gather(-1, ridx).masked_fill(~rvalid, 0).sort(-1).values
+    assert (picked - best).abs().max() <= 2 * tol * ref[visible.expand_as(ref)].abs().max()
+
+
+# -----------------------------------------------------------------------------
+# 2. Sparse MLA
+
+
+@pytest.mark.parametrize("B, T, num_splits", [(2, 5, 1), (3, 1, 3)])  # prefill; decode, K split (in 2: 32 + 5)
+def test_sparse_mla(case, B, T, num_splits):
+    K, dev, dtype, tol = case
+    H, C, R, S, Ksel = 19, 20, 8, 40, 37  # 19 heads: two head blocks, the second ragged; 37 = 32 + 5 keys
+    q_abs, q_pe = randn(B, T, H, C, dev=dev, dtype=dtype), randn(B, T, H, R, dev=dev, dtype=dtype)
+    latent = randn(B, S, C + R, dev=dev, dtype=dtype)
+    last = torch.randint(Ksel // 2, S, (B, T), device=dev)
+    last[0, 0] = 3  # 4 visible keys, 37 selected slots: most are invalid
+    visible = torch.arange(S, device=dev) <= last[..., None]
+    idx, valid = dsa.topk_select(torch.randn(B, T, S, device=dev), visible, Ksel)
+    scale = 0.3
+    ref_o, _ = dsa.sparse_mla(q_abs.float(), q_pe.float(), latent.float(), idx, valid, scale)
+    _, ref_lse = K.sparse_mla_ref(q_abs.float(), q_pe.float(), latent.float(), idx, valid, scale)
+    assert K.use_triton(q_abs)
+    with poisoned():
+        o, lse = K.sparse_mla(q_abs, q_pe, latent, idx, valid, scale, num_splits=num_splits)
+    assert o.dtype == dtype and o.shape == (B, T, H, C) and lse.shape == (B, T, H)
+    assert rel_err(o, ref_o) < tol and rel_err(lse, ref_lse) < tol
+
+
+def test_sparse_mla_gradient_is_the_references(case):
+    K, dev, dtype, tol = case
+    B, T, H, C, R, S, Ksel = 2, 3, 4, 16, 8, 12, 6
+    leaves = [randn(*s, dev=dev, dtype=dtype).requires_grad_() for s in ((B, T, H, C), (B, T, H, R), (B, S, C + R))]
+    idx, valid = dsa.topk_select(torch.randn(B, T, S, device=dev), torch.ones(1, 1, S, dtype=torch.bool, device=dev), Ksel)
+    g_o, g_lse = randn(B, T, H, C, dev=dev, dtype=dtype), randn(B, T, H, dev=dev)
+    grads = []
+    for fn in (K.sparse_mla, K.sparse_mla_ref):
+        o, lse = fn(*leaves, idx, valid, 0.25)
+        grads.append(torch.autograd.grad((o.float() * g_o).sum() + (lse * g_lse).sum(), leaves))
+    for a, b in zip(*grads):  # the backward is the reference's own autograd (on a GPU, atomics reorder sums)
+        assert rel_err(a, b) < (tol if dev == "cuda" else 1e-6)
+
+
+# -----------------------------------------------------------------------------
+# 3. Grouped expert matmuls
+
+
+@pytest.mark.parametrize("N", [1, 13])  # one token; a ragged batch
+def test_grouped_expert_kernels(case, N):
+    K, dev, dtype, tol = case
+    E, D, Fh, k = 6, 40, 24, 2
+    used = torch.tensor([0, 2, 4, 5])  # experts 1 and 3 get no tokens
+    ids = used[torch.stack([torch.randperm(4)[:k] for _ in range(N)])].to(dev)  # (N, k)
+    offsets = torch.nn.functional.pad(torch.bincount(ids.flatten(), minlength=E).cumsum(0), (1, 0))
+    x = randn(N * k, D, dev=dev, dtype=dtype)
+    w_gate, w_up = randn(E, Fh, D, dev=dev, dtype=dtype, scale=0.3), randn(E, Fh, D, dev=dev, dtype=dtype, scale=0.3)
+    w_down, row_w = randn(E, D, Fh, dev=dev, dtype=dtype, scale=0.3), torch.rand(N * k, device=dev)
+    assert K.use_triton(x) and (offsets[1:] == offsets[:-1]).any()
+    blocks = dict(block_m=16, block_n=16, block_k=16)
+    with poisoned():
+        h = K.grouped_swiglu(x, offsets, w_gate, w_up, **blocks)
+        y = K.grouped_down(h, offsets, w_down, row_w, **blocks)
+    assert rel_err(h, K.grouped_swiglu_ref(x.float(), offsets, w_gate.float(), w_up.float())) < tol
+    assert rel_err(y, K.grouped_down_ref(h.float(), offsets, w_down.float(), row_w)) < tol
+
+
+def test_moe_experts_equals_the_model_moe(case):
+    K, dev, dtype, tol = case
+    cfg = tiny_config(n_routed_experts=8, num_experts_per_tok=2)
+    moe = randomize(model.MoE(cfg)).to(dev, dtype).eval()
+    x = randn(2, 9, cfg.hidden_size, dev=dev, dtype=dtype)
+    with torch.no_grad():
+        ref, _ = moe.float()(x.float())
+        moe.to(dtype)
+        flat = x.view(-1, cfg.hidden_size)
+        ids, w, _ = moe.gate(flat)
+        got = K.moe_experts(flat, ids, w, *K.stack_experts(moe)) + moe.shared_experts(flat)
+    assert rel_err(got.view_as(ref), ref) < 3 * tol
+
+
+# -----------------------------------------------------------------------------
+# 4. W4A8
+
+
+@pytest.mark.parametrize("group_size", [None, 32])
+def test_int4_packing_round_trips(group_size):
+    w = torch.randn(10, 64)
+    packed, scale = kernels.pack_int4(w, group_size)
+    assert packed.dtype == torch.int8 and packed.shape == (10, 32) and scale.shape == (10, 64 // (group_size or 64))
+    g = group_size or 64
+    q = torch.round(w.view(10, -1, g) / scale[..., None]).clamp(-8, 7).view(10, 64)
+    assert torch.equal(kernels.unpack_int4(packed).float(), q) and q.min() >= -7 and q.abs().max() == 7
+    byte = torch.arange(-128, 128).to(torch.int8)[None]  # every byte: (high nibble) * 16 + (low nibble & 15)
+    lo, hi = kernels.unpack_int4(byte).int().unflatten(-1, (-1, 2)).unbind(-1)
+    assert torch.equal(hi * 16 + (lo & 15), byte.int()) and lo.min() == -8 and lo.max() == 7
+
+
+@pytest.mark.parametrize("M, K_in, N, group_size", [(1, 96, 40, None), (19, 96, 40, 32)])
+def test_w4a8(case, M, K_in, N, group_size):
+    K, dev, dtype, tol = case
+    x = randn(M, K_in, dev=dev, dtype=dtype)
+    if M > 1:
+        x[-1] = 0  # an all-zero token must not divide by zero
+    w = randn(N, K_in, dev=dev)
+    packed, w_scale = K.pack_int4(w, group_size)
+    assert K.use_triton(x)
+    with poisoned():
+        xq, x_scale = K.quantize_act(x, block_k=64)  # 96 = one full and one ragged block
+    rq, rs = K.quantize_act_ref(x)
+    assert torch.equal(xq, rq) and torch.equal(x_scale, rs) and xq.min() >= -127
+    with poisoned():
+        y = K.w4a8_matmul(xq, x_scale, packed, w_scale, block_m=16, block_n=32, block_k=64)
+    assert rel_err(y, K.w4a8_matmul_ref(xq, x_scale, packed, w_scale)) < 1e-5  # the same integer sums
+    # and it approximates the float matmul as 4-bit weights should (a packing bug gives ~100%)
+    y_lin = K.w4a8_linear(x, packed, w_scale)
+    exact = x.float() @ w.float().T
+    assert y_lin.dtype == dtype and ((y_lin.float() - exact).norm() / exact.norm()) < 0.2
+
+
+# -----------------------------------------------------------------------------
+# The dispatch rule and the model wiring
+
+
+def test_dispatch_rule(monkeypatch):
+    x = torch.zeros(2)
+    for mode in ("auto", "torch"):
+        monkeypatch.setattr(kernels, "MODE", mode)
+        assert not kernels.use_triton(x)  # CPU data: the torch reference
+    monkeypatch.setattr(kernels, "MODE", "triton")
+    monkeypatch.setattr(kernels, "INTERPRET", True)
+    assert kernels.use_triton(x)  # forced: Triton's interpreter
+    monkeypatch.setattr(kernels, "INTERPRET", False)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        kernels.use_triton(x)
+
+
+def test_model_runs_the_kernels_in_its_sparse_path(case, monkeypatch):
+    """The tiny model with selection on (index_topk < length): the kernel path gives the torch path's logits,
+    in a forward and in cached decoding, and the indexer KL stage keeps the torch path."""
+    K, dev, dtype, tol = case
+    if dtype != torch.float32:
+        pytest.skip("fp32 is enough: the kernels' dtypes are tested above")
+    m = randomize(model.GLM5(tiny_config(index_topk=4))).to(dev).eval()
+    x = torch.randint(0, 97, (2, 9), device=dev)
+
+    def run():
+        cache = model.KVCache(m.config, 2, 12, device=dev)
+        return m(x), m(x[:, :7], cache=cache), m(x[:, 7:8], cache=cache, start_pos=7)
+
+    calls = []
+    for name in ("index_topk", "sparse_mla"):
+        real = getattr(K, name)
+        monkeypatch.setattr(K, name, lambda *a, _real=real, _n=name, **kw: calls.append(_n) or _real(*a, **kw))
+    mode = K.MODE
+    with torch.no_grad():
+        monkeypatch.setattr(K, "MODE", "torch")
+        ref = run()
+        monkeypatch.setattr(K, "MODE", mode)
+        calls.clear()
+        got = run()
+    n = 3 * m.config.num_hidden_layers  # 3 forwards, every layer selects (length > index_topk)
+    assert calls.count("sparse_mla") == n and calls.count("index_topk") == n
+    assert all((a - b).abs().max() < 10 * tol for a, b in zip(got, ref))
+    calls.clear()
+    m(x, x, indexer_kl=True)  # the KL needs the torch path's probabilities and gradients
+    assert calls == []
+
+
+def test_bench_says_it_needs_a_gpu():
+    if torch.cuda.is_available() or INTERPRETED:
+        pytest.skip("a GPU is present: the benchmark would run for real" if not INTERPRETED else "tested in the parent run")
+    r = subprocess.run([sys.executable, "bench_kernels.py"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "needs a CUDA GPU" in r.stdout, r.stdout + r.stderr
