@@ -1,0 +1,450 @@
+"""envs.py: every environment solved and failed, reward forging, math answer equivalence, determinism of every
+generator, the agent loop's tokens and loss mask against chat.render, keep-recent-k folding, the SFT data.
+The sandbox itself is attacked in test_sandbox.py; code and terminal tests here need it too (CI has bwrap)."""
+
+import ast
+import json
+import math
+import operator
+import os
+import random
+import re
+import subprocess
+import sys
+import time
+from fractions import Fraction
+
+import pytest
+
+import chat
+import data
+import envs
+import sandbox
+from envs import CodeEnv, MathEnv, SearchEnv, TerminalEnv
+from tokenizer import SPECIAL_TOKENS, Tokenizer, train_bpe
+
+ROOT = data.stdlib_root()
+SEEDS = range(6)
+LEVELS = (1, 3, 5)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    files = random.Random(0).sample(data.stdlib_files(ROOT), 20)
+    return Tokenizer(train_bpe([data.read_file(ROOT, f)[:3000] for f in files], 320 - len(SPECIAL_TOKENS)))
+
+
+def solve(env, seed):
+    """Play env's own solution; returns (reward, reason)."""
+    env.reset(seed)
+    gen, obs = env.solve(), None
+    while True:
+        obs, reward, done, reason = env.step(gen.send(obs) if obs is not None else next(gen))
+        if done:
+            env.close()
+            return reward, reason
+
+
+def play(env, seed, messages):
+    """Play these assistant messages (or texts) in order; returns (all observations, reward, reason)."""
+    env.reset(seed)
+    seen = []
+    for m in messages:
+        obs, reward, done, reason = env.step(m)
+        seen += obs
+        if done:
+            break
+    env.close()
+    return seen, reward, reason
+
+
+def tool(name, **args):
+    return {"role": "assistant", "content": "", "tool_calls": [envs.call(name, **args)]}
+
+
+# -----------------------------------------------------------------------------
+# Math: equivalence without eval, answers checked independently of the generator
+
+EQUAL = [("0.5", "1/2"), ("1/2", "1/2"), ("\\boxed{1/2}", "1/2"), ("\\frac{1}{2}", "1/2"), ("\\dfrac12", "1/2"),
+         ("$\\frac{1}{2}$", "1/2"), (".5", "1/2"), ("0.50", "1/2"), ("2/4", "1/2"), ("\\boxed{\\frac{2}{4}}", "1/2"),
+         ("-0.5", "-1/2"), ("\\boxed{-\\frac{1}{2}}", "-1/2"), ("\\frac{-1}{2}", "-1/2"), ("1,000", "1000"),
+         ("x = 3", "3"), ("The answer is 3.", "3"), ("so it is \\boxed{7} apples", "7"), ("\\boxed{ 12 }", "12"),
+         ("\\boxed{1{,}000}", "1000"), ("we get 1/3 + 1/6 = 1/2", "1/2"), ("3.0", "3"), ("\\boxed{3}\\boxed{3.0}", "3")]
+UNEQUAL = [("0.333", "1/3"), ("\\boxed{1/2} or \\boxed{1/3}", "1/2"), ("2+2", "4"), ("1/0", "0"), ("", "0"),
+           ("\\boxed{}", "0"), ("four", "4"), ("\\boxed{x}", "0"), ("\\frac{1}{0}", "0"), ("0.5", "-1/2"),
+           ("1e999999999", "0"), ("9" * 200, "0")]
+
+
+@pytest.mark.parametrize("text,value", EQUAL)
+def test_math_answers_that_are_equal(text, value):
+    assert envs.answers_equal(text, Fraction(value)), (text, envs.extract_answer(text))
+
+
+@pytest.mark.parametrize("text,value", UNEQUAL)
+def test_math_answers_that_are_not(text, value):
+    t = time.time()
+    assert not envs.answers_equal(text, Fraction(value)), (text, envs.extract_answer(text))
+    assert time.time() - t < 0.1  # a giant exponent is refused, not computed
+
+
+def test_math_text_is_never_evaluated(tmp_path):
+    canary = tmp_path / "pwned"
+    for text in [f"__import__('pathlib').Path('{canary}').touch() or 1", f"\\boxed{{open('{canary}', 'w')}}",
+                 f"\\boxed{{(lambda: __import__('os').system('touch {canary}'))()}}"]:
+        assert envs.extract_answer(text) in (None, 1)
+    assert not canary.exists()
+
+
+def binop(node):
+    ops = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
+    if isinstance(node, ast.Constant):
+        return Fraction(node.value)
+    return ops[type(node.op)](binop(node.left), binop(node.right))
+
+
+@pytest.mark.parametrize("d", LEVELS)
+def test_math_answers_hold_independently(d):
+    """Re-derive each answer from the question text alone (our own generated text, parsed by the test)."""
+    rng, checked = random.Random(d), 0
+    for f in envs.MATH:
+        for _ in range(10):
+            q, a, _ = f(rng, d)
+            n = [int(x) for x in re.findall(r"-?\d+", q)]
+            if f is envs.math_arithmetic:
+                assert binop(ast.parse(q[len("Compute "):-1], mode="eval").body) == a
+            elif f is envs.math_linear:
+                k1, m1, k2, m2 = [int(x.replace(" ", "")) for x in
+                                  re.findall(r"(-?\d+)x ([+-] \d+) = (-?\d+)x ([+-] \d+)", q)[0]]
+                assert k1 * a + m1 == k2 * a + m2
+            elif f is envs.math_series:
+                assert a == sum(n[1] + i * (n[2] - n[1]) for i in range(n[0]))
+            elif f is envs.math_gcd_lcm:
+                assert a == (math.gcd if "greatest" in q else math.lcm)(*n)
+            elif f is envs.math_modpow:
+                assert a == pow(n[0], n[1], n[2])
+            else:
+                assert a == Fraction(n[0] * n[1] * (100 - n[2]), 100)
+            checked += 1
+    assert checked == 60
+
+
+@pytest.mark.parametrize("d", LEVELS)
+def test_math_env_right_wrong_and_hedged(d):
+    for seed in SEEDS:
+        env = MathEnv(d)
+        assert solve(env, seed) == (1.0, "correct")
+        a = env.task["answer"]
+        for wrong in [f"\\boxed{{{envs.fmt(a + 1)}}}", f"\\boxed{{{envs.fmt(a)}}} or \\boxed{{{envs.fmt(a + 1)}}}",
+                      "I do not know.", f"{envs.fmt(a)} " + " ".join(str(i) for i in range(20))]:
+            assert play(env, seed, [wrong])[1] == 0.0, wrong
+
+
+# -----------------------------------------------------------------------------
+# Code: right and wrong solutions, and reward forging
+
+
+@pytest.mark.parametrize("d", LEVELS)
+def test_code_env_right_and_wrong(d):
+    for seed in SEEDS[:3]:
+        env = CodeEnv(d)
+        env.limits = sandbox.Limits(cpu_s=1, wall_s=2)  # for the infinite loop below
+        assert solve(env, seed) == (1.0, "10/10 hidden tests passed")
+        sol, expected = env.task["solution"], env.task["expected"]
+        assert len({json.dumps(e) for e in expected}) > 1  # a constant answer cannot pass
+        off = "def solve(xs):\n    r = _solve(xs)\n    return r + 1 if isinstance(r, int) else r + [0]\n"
+        wrong = [sol.replace("def solve", "def _solve") + off,
+                 "def solve(xs):\n    return 0\n", "def solve(xs) return 0", "no code here"]
+        wrong += ["def solve(xs):\n    while True: pass\n"] * (seed == 0)
+        for w in wrong:
+            text = w if w == "no code here" else f"```python\n{w}```"
+            reward, reason = play(env, seed, [text])[1:]
+            assert reward == 0.0, (w, reason)
+
+
+def test_code_reward_forging():
+    env = CodeEnv(2)
+    env.limits = sandbox.Limits(cpu_s=2, wall_s=4)
+    env.reset(0)
+    n = len(env.task["tests"])
+    forgeries = [
+        # prints what a naive grader would look for, plants result files, returns nonsense
+        f"import json, os\nprint('PASSED\\n' * {n} + 'OK: all tests passed')\n"
+        f"json.dump({{'passed': {n}, 'failed': 0}}, open('/work/results.json', 'w'))\n"
+        f"open('/work/.pytest_result', 'w').write('PASSED')\ndef solve(xs):\n    print('PASSED')\n    return -12345\n",
+        # reads the runner to learn its nonce, forges a full result line, exits before the real one
+        "import os, re, json\ndef solve(xs):\n    return 0\nsrc = open('/sandbox/run_tests.py').read()\n"
+        "nonce = re.search(r'print\\(\"([0-9a-f]{32})\"', src).group(1)\n"
+        "ins = json.load(open('/sandbox/inputs.json'))\n"
+        "print(); print(nonce + json.dumps([['ok', 0] for _ in ins]), flush=True); os._exit(0)\n",
+        # an object equal to everything, and a json.dumps that lies
+        "import json\nclass E:\n    def __eq__(self, o): return True\njson.dumps = lambda *a, **k: '\"PASSED\"'\n"
+        "def solve(xs):\n    return E()\n",
+        # tries to rewrite the hidden tests and the expected values
+        "import glob\nfor p in glob.glob('/sandbox/*'):\n    try:\n        open(p, 'w').write('[]')\n"
+        "    except OSError:\n        pass\ndef solve(xs):\n    return 0\n",
+    ]
+    reasons = []
+    for code in forgeries:
+        reward, reason = play(env, 0, [f"```python\n{code}```"])[1:]
+        assert reward == 0.0, (code, reason)
+        reasons.append(reason)
+    assert reasons[1].endswith("hidden tests passed"), reasons  # the forged line did reach the grader
+    # no false alarm: a right solution that also prints PASSED and writes files keeps its reward
+    right = env.task["solution"] + "print('PASSED')\nopen('/work/results.json', 'w').write('{}')\n"
+    assert play(env, 0, [f"```python\n{right}```"])[1] == 1.0
+
+
+def test_code_hidden_tests_are_out_of_reach_while_the_model_works():
+    """Before grading no test input exists anywhere the model's code can look; a daemon left waiting for
+    them dies with its run."""
+    env = CodeEnv(1)
+    env.reset(0)
+    obs, _, _, _ = env.step(tool("run_python", code=(
+        "import os, subprocess\nprint(os.path.exists('/sandbox/inputs.json'), os.listdir('/work'))\n"
+        "subprocess.Popen(['bash', '-c', 'while sleep 0.05; do cat /sandbox/inputs.json >> /work/stolen 2>/dev/null; done'],"
+        " start_new_session=True)")))
+    assert obs[0].startswith("False []"), obs
+    reward, reason = env.step(f"```python\n{env.task['solution']}```")[1:3]
+    assert reward == 1.0 and env.sb.read("stolen") is None, reason
+    env.close()
+
+
+# -----------------------------------------------------------------------------
+# Terminal
+
+
+@pytest.mark.parametrize("d", LEVELS)
+def test_terminal_env_right_and_wrong(d):
+    for seed in SEEDS[:3]:
+        env = TerminalEnv(d)
+        assert solve(env, seed) == (1.0, "the final state is right")
+        parts = env.task["parts"]
+        assert play(env, seed, ["Done."])[1] == 0.0  # nothing done
+        if len(parts) > 1:  # only the first part done
+            assert play(env, seed, [tool("shell", command=parts[0][2]), "Done."])[1] == 0.0
+
+
+def test_terminal_shell_keeps_files_not_the_shell():
+    env = TerminalEnv(1)
+    obs, _, _ = play(env, 0, [tool("shell", command="echo hi > a.txt; cd /tmp; X=1"),
+                              tool("shell", command="cat a.txt; pwd; echo x${X}x")])
+    assert obs[1] == "hi\n/work\nxx\n[exit 0]", obs
+
+
+def test_terminal_reward_forging():
+    """The verifier reads the state itself: claims, symlinks to a right answer and FIFOs earn nothing."""
+    for seed in range(40):  # find a counting task
+        env = TerminalEnv(1)
+        env.reset(seed)
+        if env.task["parts"][0][0].startswith("count"):
+            break
+    cmd = env.task["parts"][0][2]
+    attacks = [tool("shell", command="echo PASSED > count.txt; echo 'all checks passed'; exit 0"),
+               tool("shell", command=cmd.replace("count.txt", "/tmp/c") + "; cp /tmp/c real; ln -s real count.txt"),
+               tool("shell", command=cmd.replace("count.txt", "real") + "; ln -s /work/real count.txt"),
+               tool("shell", command="mkfifo count.txt")]
+    for attack in attacks:
+        t = time.time()
+        assert play(env, seed, [attack, "All tests passed. Done."])[1] == 0.0, attack
+        assert time.time() - t < 5
+    assert play(env, seed, [tool("shell", command=cmd), "Done."])[1] == 1.0
+
+
+# -----------------------------------------------------------------------------
+# Search
+
+
+def answer_from_question(world, question):
+    """Invert the question's phrases back to the start entity, then walk forward: one answer, no search."""
+    phrase, rels = question[len("What is "):question.index("? Use")], []
+    table = [(r[3].format(""), r[0]) for r in envs.RELATIONS] + [(p.format(""), a) for a, p, _ in envs.ATTRIBUTES.values()]
+    while True:
+        hit = next(((p, r) for p, r in table if phrase.startswith(p)), None)
+        if not hit:
+            break
+        rels.append(hit[1])
+        phrase = phrase[len(hit[0]):]
+    x = phrase
+    assert x in world, x
+    for rel in reversed(rels):
+        x = world[x][rel]
+    return str(x)
+
+
+@pytest.mark.parametrize("d", LEVELS)
+def test_search_env_right_wrong_and_unique(d):
+    for seed in SEEDS:
+        env = SearchEnv(d)
+        assert solve(env, seed) == (1.0, "correct")
+        assert answer_from_question(env.world, env.task["prompt"]) == env.task["answer"]
+        assert len(env.task["path"]) == min(d, 4) + 1 and len(set(env.task["path"])) == len(env.task["path"])
+        names = [n for n in env.world if n != env.task["answer"]]
+        assert play(env, seed, [f"\\boxed{{{names[0]}}}"])[1] == 0.0
+        assert play(env, seed, [f"\\boxed{{{names[0]}}} \\boxed{{{env.task['answer']}}}"])[1] == 0.0
+        assert play(env, seed, [", ".join(list(env.world) + [env.task["answer"]])])[1] == 0.0
+        assert play(env, seed, [f"Answer: {env.task['answer'].upper()}."])[1] == 1.0
+
+
+def test_search_tools_and_their_errors():
+    env = SearchEnv(2)
+    env.reset(1)
+    start = env.task["path"][0]
+    obs, _, _, _ = env.step({"role": "assistant", "content": "", "tool_calls": [
+        envs.call("find", pattern="x"), envs.call("search", query=start), envs.call("open", title=start.lower()),
+        envs.call("find", pattern=env.task["path"][1]), envs.call("open", title="Nowhere"),
+        envs.call("fly", to="moon"), {"function": {"name": "open", "arguments": "{not json"}},
+        {"function": {"name": "open", "arguments": {"title": 3}}}]})
+    assert obs[0].startswith("error: no page is open")
+    assert obs[1].splitlines()[0].startswith(start + ":")
+    assert obs[2].startswith(f"# {start}\n1: ")
+    assert env.task["path"][1] in obs[3] and "no line" not in obs[3]
+    assert obs[4].startswith("no page titled") and obs[5].startswith("error: unknown tool")
+    assert obs[6].startswith("error: open takes") and obs[7].startswith("error: open takes")
+
+
+# -----------------------------------------------------------------------------
+# Determinism of every generator, across processes with different hash seeds
+
+DIGEST = """
+import hashlib, json, envs
+out = []
+for name, cls in envs.ENVS.items():
+    for d in (1, 3, 5):
+        for seed in range(3):
+            env = cls(d)
+            prompt, tools = env.reset(seed)
+            t = {k: v if k != "parts" else [p[:3] for p in v] for k, v in env.task.items()}
+            out.append(json.dumps([prompt, tools, repr(t), repr(getattr(env, "pages", None))]))
+            env.close()
+print(hashlib.sha256("".join(out).encode()).hexdigest(), len(set(out)))
+"""
+
+
+def test_every_generator_is_deterministic_given_a_seed():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    here = {}
+    exec(DIGEST.replace("print(", "here['out'] = ("), {"here": here})
+    there = subprocess.run([sys.executable, "-c", DIGEST], capture_output=True, text=True, cwd=root,
+                           env={**os.environ, "PYTHONHASHSEED": str(hash("x") % 1000 + 1)})  # another hash seed
+    assert there.returncode == 0, there.stderr[-2000:]
+    assert there.stdout.split() == [here["out"][0], str(here["out"][1])]
+    assert here["out"][1] == 4 * 3 * 3  # and different seeds or difficulties give different tasks
+
+
+def test_terminal_files_differ_by_seed_and_match_the_generator():
+    env = TerminalEnv(3)
+    env.reset(0)
+    files = {p: c for part in env.task["parts"] for p, c in part[1].items()}
+    assert files and all(env.sb.read(p) == c.encode() for p, c in files.items())
+    env.close()
+
+
+# -----------------------------------------------------------------------------
+# The agent loop: ids and mask against chat.render, TITO, folding, endings
+
+
+def test_rollout_tokens_and_mask_are_the_templates(tok):
+    for thinking in (True, False):
+        env = CodeEnv(1)
+        r = envs.rollout(env, envs.oracle_policy(env, tok, thinking), tok, seed=3, thinking=thinking)
+        assert r["reward"] == 1.0 and len(r["segments"]) == 1, r["reason"]
+        ids, mask = chat.render(r["messages"], tok)
+        seg = r["segments"][0]
+        assert seg["ids"] == ids and seg["mask"] == mask
+        obs = [m["content"] for m in r["messages"] if m["role"] == "observation"]
+        untrained = tok.decode([i for i, m in zip(ids, mask) if not m])
+        trained = tok.decode([i for i, m in zip(ids, mask) if m])
+        assert obs and all(o in untrained and o not in trained for o in obs)
+        assert ("<think>" in trained) == thinking
+
+
+def test_rollout_keeps_the_policys_own_ids_and_logprobs(tok):
+    """TITO: ids the template would never produce (one token per character) come back exactly as sampled."""
+    env = MathEnv(1)
+    prompt, _ = env.reset(0)
+    answer = envs.fmt(env.task["answer"])
+    odd = [t for ch in f"\\boxed{{{answer}}}" for t in tok.encode_ordinary(ch)] + [tok.encode_chat_token("<|endoftext|>")]
+    lp = [-0.1 * (i + 1) for i in range(len(odd))]
+    seen = []
+    r = envs.rollout(env, lambda ids: (seen.append(ids), (odd + [5, 6, 7], lp + [0.0] * 3))[1], tok, seed=0)
+    seg = r["segments"][0]
+    assert r["reward"] == 1.0 and seg["ids"] == seen[0] + odd  # cut after the stop token
+    assert seg["logprobs"][len(seen[0]):] == lp and seg["mask"] == [False] * len(seen[0]) + [True] * len(odd)
+
+
+def test_rollout_folds_old_observations_into_segments(tok):
+    env = SearchEnv(3)
+    r = envs.rollout(env, envs.oracle_policy(env, tok), tok, seed=2, keep_recent=2)
+    assert r["reward"] == 1.0 and len(r["segments"]) > 1
+    generated = sum(sum(s["mask"]) for s in r["segments"])
+    env.reset(2)
+    gen, total, obs = env.solve(), 0, None
+    while True:
+        msg = gen.send(obs) if obs is not None else next(gen)
+        total += len(envs.assistant_ids(tok, msg))
+        obs, _, done, _ = env.step(msg)
+        if done:
+            break
+    assert generated == total  # every model token is trained exactly once, in the segment that sampled it
+    last = r["segments"][-1]
+    assert tok.decode(last["ids"]).count("[folded:") == sum(
+        m["role"] == "observation" for m in r["messages"]) - 2
+    prompt = chat.render(r["messages"][:2], tok, add_generation_prompt=True)[0]
+    assert r["segments"][0]["ids"][:len(prompt)] == prompt
+    for s in r["segments"][1:]:  # each later segment opens with a re-rendered, folded context, untrained
+        first = s["mask"].index(True)
+        assert "[folded:" in tok.decode(s["ids"][:first])
+    env = SearchEnv(3)
+    assert len(envs.rollout(env, envs.oracle_policy(env, tok), tok, seed=2, keep_recent=0)["segments"]) == 1
+
+
+def test_rollout_endings(tok):
+    eot, obs_id = tok.encode_chat_token("<|endoftext|>"), tok.encode_chat_token("<|observation|>")
+    r = envs.rollout(MathEnv(), lambda ids: tok.encode_ordinary("no stop token"), tok, seed=0)
+    assert r["reason"].startswith("truncated") and r["reward"] == 0.0
+    r = envs.rollout(MathEnv(), lambda ids: tok.encode_ordinary("hm") + [obs_id], tok, seed=0)
+    assert r["reason"].startswith("format")
+    env = TerminalEnv(1)  # tool calls in a turn that ends with <|endoftext|> are not run
+    msg = tool("shell", command="touch ran")
+    r = envs.rollout(env, lambda ids: envs.assistant_ids(tok, msg)[:-1] + [eot], tok, seed=0)
+    assert r["turns"] == 1 and r["reward"] == 0.0 and r["reason"].startswith("format")  # an empty reply, no call
+    special = tok.encode_chat_token
+    bad = ([special("<think>"), special("</think>")] + tok.encode_ordinary("\n") + [special("<tool_call>")]
+           + tok.encode_ordinary("search\n{oops") + [special("</tool_call>"), obs_id])  # arguments that are not JSON
+    r = envs.rollout(SearchEnv(1), lambda _: bad, tok, seed=0)
+    assert r["reason"].startswith("format") and r["reward"] == 0.0 and not r["crashed"]
+    r = envs.rollout(MathEnv(1), lambda _: [eot], tok, seed=0)  # an empty reply
+    assert r["reason"].startswith("format") and r["reward"] == 0.0
+    two = {"role": "assistant", "content": "", "tool_calls": [envs.call("shell", command="echo a"),
+                                                              envs.call("shell", command="echo b")]}
+    env = TerminalEnv(1)
+    r = envs.rollout(env, envs.scripted_policy(tok, [two, "Done."]), tok, seed=0)
+    assert [m["content"] for m in r["messages"] if m["role"] == "observation"] == ["a\n[exit 0]", "b\n[exit 0]"]
+    assert r["segments"][0]["ids"] == chat.render(r["messages"], tok)[0]
+
+
+def test_rollout_marks_a_crashed_environment(tok, monkeypatch):
+    monkeypatch.setattr(sandbox, "_PROBE", (False, "bwrap not found (test)"))
+    r = envs.rollout(CodeEnv(1), envs.scripted_policy(tok, ["x"]), tok, seed=0)
+    assert r["crashed"] and "bwrap not found" in r["reason"]
+    assert envs.rollout(MathEnv(1), envs.scripted_policy(tok, ["\\boxed{0}"]), tok, seed=0)["crashed"] is False
+
+
+# -----------------------------------------------------------------------------
+# SFT data
+
+
+def test_sft_conversations_are_solved_renderable_and_deterministic(tok):
+    for name in envs.ENVS:
+        convs = envs.sft_conversations(name, 3, seed=7)
+        assert json.dumps(convs) == json.dumps(envs.sft_conversations(name, 3, seed=7))
+        for conv in convs:
+            assert conv["kind"] == f"env_{name}"
+            ids, mask = chat.render_conversation(conv, tok)
+            assert 0 < sum(mask) < len(ids)
+            assistants = [m for m in conv["messages"] if m["role"] == "assistant"]
+            assert all(m.get("reasoning_content") for m in assistants)
+            assert (name == "math") == (len(assistants) == 1)
+            if name == "search":  # the answer was read, not known: it appears in what the tools returned
+                seen = " ".join(m["content"] for m in conv["messages"] if m["role"] == "observation")
+                assert envs.boxed(assistants[-1]["content"])[0] in seen
