@@ -28,6 +28,7 @@ that asks about the function; thinking is switched on and off per turn. Tokenize
 
 Run it:
     python chat.py                  # one rendered example per mode, trained spans in ⟦ ⟧, and SFT set stats
+    python serve.py --ckpt out/ckpt.pt --chat   # terminal(): chat with a trained model, thinking dimmed
 Tests: python -m pytest -q tests/test_chat.py
 Honest limits: the "assistant" only ever writes standard-library functions and answers questions about
 them, and its reasoning is a template filled from the code, not a model's own thought, so a model trained
@@ -38,6 +39,7 @@ the ids are not; parse_reply() therefore reads ids.
 """
 
 import ast
+import copy
 import hashlib
 import json
 import os
@@ -258,6 +260,43 @@ def show(ids, mask, tok):
         out.append(f"⟦{text}⟧" if mask[j] else text)
         j = k
     return "".join(out)
+
+
+def terminal(engine, sp, thinking):
+    """`python serve.py --ckpt DIR --chat`: read a line, stream the reply of a serve.Engine (thinking dimmed),
+    keep the conversation (thinking dropped from earlier turns as render() does); /think toggles thinking."""
+    tok, msgs = engine.tok, []
+    shade = {tok.special_tokens["<think>"]: "\033[2m", tok.special_tokens["</think>"]: "\033[0m\n"}
+    specials = set(tok.special_tokens.values())
+    print("nanoGLM chat: empty line or Ctrl-D quits, /think toggles thinking, /reset clears the conversation")
+    while True:
+        try:
+            line = input("\n> ").strip()
+        except EOFError:
+            line = ""
+        if not line:
+            return
+        if line in ("/think", "/reset"):
+            thinking, msgs = (not thinking, msgs) if line == "/think" else (thinking, [])
+            print(f"(thinking {'on' if thinking else 'off'})" if line == "/think" else "(cleared)")
+            continue
+        msgs.append({"role": "user", "content": line, "thinking": thinking})
+        r = engine.submit(render(msgs, tok, add_generation_prompt=True)[0], copy.copy(sp))
+        shown, pending = 0, []  # pending: ids that do not yet decode to whole characters
+        while r.finish is None:
+            engine.step()
+            for t in r.out[shown:]:
+                if t in shade or t in specials:
+                    print(tok.decode(pending) + shade.get(t, ""), end="", flush=True)
+                    pending = []
+                elif not tok.decode(pending + [t]).endswith("\ufffd"):
+                    print(tok.decode(pending + [t]), end="", flush=True)
+                    pending = []
+                else:
+                    pending.append(t)
+            shown = len(r.out)
+        print("\033[0m")
+        msgs.append(parse_reply(r.out, tok))
 
 
 # -----------------------------------------------------------------------------

@@ -20,7 +20,7 @@ Run it:
     python model.py configs/full.py    # the 744B parameter table, instantly, on the meta device
 Honest limits: attention here is plain torch (SDPA for the dense path), except that on a GPU the
 gathered DSA path's indexer and sparse attention run as Triton kernels (kernels.py); kernels.py's grouped
-experts and W4A8 matmul are not wired in here. The KV cache is one contiguous block per layer, not paged.
+experts and W4A8 matmul are not wired in here. KVCache is one contiguous block per layer (serve.py pages it).
 """
 
 import dataclasses
@@ -253,9 +253,8 @@ class MLA(nn.Module):
             iq, index_k, iw = self.indexer(ix, iqlat, rope)  # (B,T,Hi,Di), (B,T,Di), (B,T,Hi)
 
         if cache is not None:
-            cache.write(layer_id, positions, latent, index_k)
-            S = int(positions.max()) + 1
-            latent_all, index_k_all = cache.kv[layer_id][:B, :S], cache.index_k[layer_id][:B, :S]
+            latent_all, index_k_all = cache.write(layer_id, positions, latent, index_k)  # (B, S, ...) per row
+            S = latent_all.shape[1]
             visible = torch.arange(S, device=x.device) <= positions[..., None]  # (B, T, S)
         else:
             S, latent_all, index_k_all = T, latent, index_k
@@ -496,16 +495,17 @@ class KVCache:
         self.index_k = torch.zeros(L, batch_size, max_seq_len, cfg.index_head_dim, device=device, dtype=dtype)
 
     def write(self, layer_id, positions, latent, index_k):
-        """positions (B, T): each row's tokens land at their own positions (rows may differ in length)."""
+        """positions (B, T), rows may differ -> each row's (B, S, ...) latents, keys (serve.PagedCache: same API)."""
         if int(positions.max()) >= self.max_seq_len:
             raise ValueError(f"position {int(positions.max())} is past the cache's max_seq_len {self.max_seq_len}; allocate a longer KVCache")
         if positions.shape[0] > self.kv.shape[1]:
             raise ValueError(f"a batch of {positions.shape[0]} rows does not fit a KVCache built for {self.kv.shape[1]}; build it with batch_size >= the batch")
         if (latent.dtype, latent.device) != (self.kv.dtype, self.kv.device):
             raise ValueError(f"KVCache holds {self.kv.dtype} on {self.kv.device} but the model computes {latent.dtype} on {latent.device}; pass the model's device and dtype to KVCache")
-        rows = torch.arange(positions.shape[0], device=positions.device)[:, None]
+        rows, S = torch.arange(positions.shape[0], device=positions.device)[:, None], int(positions.max()) + 1
         self.kv[layer_id][rows, positions] = latent.to(self.kv.dtype)
         self.index_k[layer_id][rows, positions] = index_k.to(self.index_k.dtype)
+        return self.kv[layer_id][:len(rows), :S], self.index_k[layer_id][:len(rows), :S]
 
 
 # -----------------------------------------------------------------------------
