@@ -597,7 +597,12 @@ class Handler(BaseHTTPRequestHandler):
         eng, tok = s.engine, s.engine.tok
         sp = sampling_from(body, path, eng.max_model_len)
         stream = field(body, "stream", (bool,), False, need="a boolean")
+        opts = field(body, "stream_options", (dict,), {}, lambda v: set(v) <= {"include_usage"} and
+                     isinstance(v.get("include_usage", False), bool), "an object with a boolean include_usage")
         want_ids = field(body, "return_token_ids", (bool,), False, need="a boolean")
+        echo = field(body, "echo", (bool,), False, need="a boolean")
+        if echo and sp.logprobs is not None:
+            raise APIError(400, "'echo' with 'logprobs' is not supported (prompt logprobs are not computed); drop one", "echo", "unsupported")
         if path == "/v1/completions":
             p = body.get("prompt")
             if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str):
@@ -626,6 +631,8 @@ class Handler(BaseHTTPRequestHandler):
         except ValueError as e:
             code = "context_length_exceeded" if "context" in str(e) else "invalid_value"
             raise APIError(400, str(e), "prompt" if path == "/v1/completions" else "messages", code) from None
+        r.echo = tok.decode(prompt) if echo else ""  # completions: the prompt's text goes before the completion's
+        r.include_usage = opts.get("include_usage", False)  # streaming: a last chunk with usage and no choices
         try:
             (self.stream if stream else self.respond)(r, path, want_ids)
         finally:
@@ -666,7 +673,7 @@ class Handler(BaseHTTPRequestHandler):
         self.wait(r)
         choice = {"index": 0, "finish_reason": r.finish, "logprobs": self.logprobs_obj(r, path, 0, len(r.out))}
         if path == "/v1/completions":
-            choice["text"] = r.text
+            choice["text"] = r.echo + r.text
         else:
             msg = chat.parse_reply(r.out, self.server.engine.tok)
             choice["message"] = msg
@@ -703,7 +710,7 @@ class Handler(BaseHTTPRequestHandler):
                 done = done or r.events.get()[0] == "done"
             hi = len(r.out)
             if path == "/v1/completions":
-                delta = {"text": self.server.engine.pending_text(r)}
+                delta = {"text": (r.echo if sent_tokens == 0 else "") + self.server.engine.pending_text(r)}
             else:  # reasoning_content inside <think> ... </think>, content outside; split by token ids
                 delta = {"role": "assistant"} if sent_tokens == 0 else {}
                 for t in r.out[sent_tokens:hi] + [None]:  # None: flush what decodes completely so far
@@ -727,7 +734,8 @@ class Handler(BaseHTTPRequestHandler):
             send({**head, "choices": [choice]})
         if r.error:
             send({"error": {"message": r.error, "type": "server_error", "param": None, "code": "internal_error"}})
-        send({**head, "choices": [], "usage": self.usage(r)})
+        if r.include_usage:
+            send({**head, "choices": [], "usage": self.usage(r)})
         self.wfile.write(b"data: [DONE]\n\n")
         self.wfile.flush()
 

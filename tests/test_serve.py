@@ -188,6 +188,9 @@ def test_http_api(server, ckpt):
                                                           "return_token_ids": True, "ignore_eos": True}).json()
     assert ids["prompt_token_ids"] == prompt and len(ids["choices"][0]["token_ids"]) == 5
     assert ids["choices"][0]["text"] == r["choices"][0]["text"]
+    echo = requests.post(server + "/v1/completions", json={"prompt": prompt, "max_tokens": 5, "temperature": 0,
+                                                           "echo": True, "ignore_eos": True}).json()
+    assert echo["choices"][0]["text"] == "def hello" + r["choices"][0]["text"]
     c = requests.post(server + "/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
                                                              "max_tokens": 6, "temperature": 0, "logprobs": True, "top_logprobs": 2,
                                                              "chat_template_kwargs": {"enable_thinking": False}}).json()
@@ -197,14 +200,14 @@ def test_http_api(server, ckpt):
 
 def test_http_streaming(server):
     body = {"prompt": [100, 101, 102, 103], "max_tokens": 6, "temperature": 0, "stream": True, "ignore_eos": True,
-            "return_token_ids": True}
+            "return_token_ids": True, "stream_options": {"include_usage": True}}
     with requests.post(server + "/v1/completions", json=body, stream=True) as r:
         lines = [l for l in r.iter_lines() if l]
     assert lines[-1] == b"data: [DONE]"
     chunks = [json.loads(l[6:]) for l in lines[:-1]]
     text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
     ids = sum((c["choices"][0]["token_ids"] for c in chunks if c["choices"]), [])
-    body.pop("stream")
+    body.pop("stream"), body.pop("stream_options")
     whole = requests.post(server + "/v1/completions", json=body).json()
     assert text == whole["choices"][0]["text"] and ids == whole["choices"][0]["token_ids"]
     assert chunks[-1]["usage"]["completion_tokens"] == 6
@@ -212,6 +215,7 @@ def test_http_streaming(server):
     with requests.post(server + "/v1/chat/completions", json=chat, stream=True) as r:
         lines = [l for l in r.iter_lines() if l]
     assert lines[-1] == b"data: [DONE]" and json.loads(lines[0][6:])["choices"][0]["delta"]["role"] == "assistant"
+    assert all(json.loads(l[6:])["choices"] for l in lines[:-1])  # no usage chunk unless include_usage
 
 
 @pytest.mark.parametrize("path,body,status,param", [
@@ -225,6 +229,7 @@ def test_http_streaming(server):
     ("/v1/completions", {"prompt": [1, 2, 999999]}, 400, "prompt"),
     ("/v1/completions", {"prompt": list(range(1, 250))}, 400, "prompt"),  # longer than max_model_len 200
     ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404, "model"),
+    ("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1}, 400, "echo"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stream": "yes"}, 400, "stream"),
