@@ -506,17 +506,38 @@ TEMPLATE_HASH = hashlib.sha256(open(__file__, "rb").read()).hexdigest()[:16]  # 
 SPLIT_FILES = ("ids", np.uint16), ("mask", np.uint8), ("starts", np.int64)
 
 
+def load_extra(path):
+    """Conversations from a JSONL file, one {"messages", "preserve_thinking"?, "kind"?} per line (what
+    `python envs.py --sft N FILE` writes); -> (list, sha256 of the file)."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no SFT conversations at {path}; write them with python envs.py --sft 50 {path}")
+    raw = open(path, "rb").read()
+    convs = []
+    for n, line in enumerate(raw.decode().splitlines(), 1):
+        try:
+            conv = json.loads(line)
+            check_messages(conv["messages"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{path} line {n} is not a conversation ({type(e).__name__}: {e}); each line is "
+                             f'{{"messages": [...]}} in the chat message format') from None
+        convs.append({"kind": "extra", "preserve_thinking": False, **conv})
+    return convs, hashlib.sha256(raw).hexdigest()[:16]
+
+
 def prepare_sft(vocab_size=4096, out_dir="data/sft", seed=1337, val_fraction=data.VAL_FRACTION, files=None,
-                max_files=None, root=None, tokenizer=None, verbose=True):
+                max_files=None, root=None, tokenizer=None, verbose=True, extra=None):
     """Write out_dir/{train,val}_{ids,mask,starts}.bin + meta.json; returns the meta dict. Cached like
-    data.prepare: if meta.json matches tokenizer, corpus listing, seed and this file, nothing is redone."""
+    data.prepare: if meta.json matches tokenizer, corpus listing, seed, extra and this file, nothing is redone.
+    extra: a JSONL of more conversations (envs.py's solved episodes), split by line like files by path."""
     root = root or data.stdlib_root()
     files = sorted(files if files is not None else data.stdlib_files(root))[:max_files]
     tok = tokenizer or get_tokenizer(vocab_size, cache_dir=os.path.dirname(out_dir.rstrip("/")) or ".")
     assert tok.vocab_size <= 2**16, "uint16 ids need vocab_size <= 65536"
     train, val = data.split_files(files, val_fraction)
+    extra_convs, extra_hash = load_extra(extra) if extra else ([], None)
+    extra_split = data.split_files([f"extra/{i}" for i in range(len(extra_convs))], val_fraction)
     want = {"vocab_size": tok.vocab_size, "tokenizer_hash": tok.hash, "listing_hash": data.listing_hash(root, files),
-            "seed": seed, "val_fraction": val_fraction, "template_hash": TEMPLATE_HASH}
+            "seed": seed, "val_fraction": val_fraction, "template_hash": TEMPLATE_HASH, "extra_hash": extra_hash}
     meta_path = os.path.join(out_dir, "meta.json")
     if os.path.exists(meta_path):
         try:
@@ -532,10 +553,11 @@ def prepare_sft(vocab_size=4096, out_dir="data/sft", seed=1337, val_fraction=dat
     os.makedirs(out_dir, exist_ok=True)
     t0, done = time.time(), 0
     meta = dict(want, sizes={}, conversations={}, tokens={}, trained_tokens={}, kinds={})
-    for split, names in (("train", train), ("val", val)):
+    for split, names, extra_names in (("train", train, extra_split[0]), ("val", val, extra_split[1])):
         ids, mask, starts = [], [], []
-        for rel in names:
-            for conv in conversations([rel], root, seed):
+        for rel in names + extra_names:
+            convs = [extra_convs[int(rel[6:])]] if rel.startswith("extra/") else conversations([rel], root, seed)
+            for conv in convs:
                 i, m = render_conversation(conv, tok)
                 assert any(m), "every SFT conversation has assistant tokens"
                 starts.append(len(ids))
@@ -543,8 +565,8 @@ def prepare_sft(vocab_size=4096, out_dir="data/sft", seed=1337, val_fraction=dat
                 mask += m
                 meta["kinds"][conv["kind"]] = meta["kinds"].get(conv["kind"], 0) + 1
             done += 1
-            if verbose and (done % 100 == 0 or done == len(files)):
-                data.progress(done, len(files), t0, f"building SFT conversations into {out_dir}")
+            if verbose and (done % 100 == 0 or done == len(files) + len(extra_convs)):
+                data.progress(done, len(files) + len(extra_convs), t0, f"building SFT conversations into {out_dir}")
         meta["sizes"][split] = {}
         for name, dtype in SPLIT_FILES:
             arr = np.array({"ids": ids, "mask": mask, "starts": starts}[name], dtype=dtype)

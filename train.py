@@ -81,6 +81,7 @@ init_from = ""  # a ckpt.pt to take the model weights from (a stage starting fro
 resume = False  # continue from out_dir/ckpt.pt: model, optimizers, step, RNGs, data position
 data_dir = "data/stdlib"  # tokenized corpus (data.py), relative to this file's folder
 sft_data_dir = "data/sft"  # tokenized SFT conversations and loss masks (chat.py), for stage "sft"
+sft_extra = ""  # a JSONL of more SFT conversations, e.g. envs.py's solved episodes (python envs.py --sft 50 data/sft_envs.jsonl)
 tokenizer_vocab_size = 4096  # the BPE the data is tokenized with; must be <= the model's vocab_size
 batch_size = 8  # sequences per micro-batch
 block_size = 256  # training sequence length
@@ -375,8 +376,11 @@ def main():
                          f"({tok.vocab_size}); raise vocab_size or lower tokenizer_vocab_size")
     sdir = os.path.join(here, sft_data_dir)
     if master:  # the corpus, or for SFT the rendered conversations (tokenized once, cached)
-        data.prepare(tokenizer_vocab_size, out_dir=ddir, tokenizer=tok) if stage != "sft" else \
-            chat.prepare_sft(tokenizer_vocab_size, out_dir=sdir, tokenizer=tok)
+        try:
+            data.prepare(tokenizer_vocab_size, out_dir=ddir, tokenizer=tok) if stage != "sft" else \
+                chat.prepare_sft(tokenizer_vocab_size, out_dir=sdir, tokenizer=tok, extra=sft_extra and os.path.join(here, sft_extra))
+        except (FileNotFoundError, ValueError) as e:
+            raise SystemExit(f"sft_extra: {e}") if sft_extra else e
     if distributed:
         torch.distributed.barrier()  # rank 0 wrote the data before the others read it
     loader = chat.SFTLoader(sdir) if stage == "sft" else data.DataLoader(ddir)

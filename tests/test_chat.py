@@ -367,3 +367,24 @@ def test_prepare_sft_and_batches(tok, sft_files, tmp_path, monkeypatch):
     assert os.path.getsize(os.path.join(out, "train_mask.bin")) == meta["tokens"]["train"]
     with pytest.raises(FileNotFoundError, match="No SFT data"):
         chat.SFTLoader(str(tmp_path / "nothing"))
+
+
+def test_prepare_sft_mixes_in_env_conversations(tok, sft_files, tmp_path):
+    """extra=: envs.py's solved episodes join the SFT set (split by line), rendered and masked like the rest;
+    a malformed line is an error naming the line."""
+    import envs
+    convs = envs.sft_conversations("math", 6)
+    path = tmp_path / "envs.jsonl"
+    path.write_text("".join(json.dumps(c) + "\n" for c in convs))
+    base = chat.prepare_sft(out_dir=str(tmp_path / "a"), files=sft_files, tokenizer=tok, val_fraction=0.3, verbose=False)
+    meta = chat.prepare_sft(out_dir=str(tmp_path / "b"), files=sft_files, tokenizer=tok, val_fraction=0.3, verbose=False,
+                            extra=str(path))
+    assert meta["kinds"]["env_math"] == 6 and sum(meta["conversations"].values()) == sum(base["conversations"].values()) + 6
+    rendered = [chat.render(c["messages"], tok, preserve_thinking=True) for c in convs]
+    assert sum(meta["trained_tokens"].values()) == sum(base["trained_tokens"].values()) + sum(sum(m) for _, m in rendered)
+    ids = chat.SFTLoader(str(tmp_path / "b")).splits["train"][0].tolist()
+    first_train = [r for i, r in enumerate(rendered) if f"extra/{i}" in data.split_files([f"extra/{j}" for j in range(6)], 0.3)[0]][0]
+    assert any(ids[k:k + len(first_train[0])] == first_train[0] for k in range(len(ids)))
+    path.write_text(json.dumps(convs[0]) + "\n" + json.dumps({"messages": [{"role": "wizard", "content": "x"}]}) + "\n")
+    with pytest.raises(ValueError, match="line 2"):
+        chat.prepare_sft(out_dir=str(tmp_path / "c"), files=sft_files, tokenizer=tok, verbose=False, extra=str(path))
