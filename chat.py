@@ -223,9 +223,10 @@ def render(messages, tok, *, enable_thinking=True, preserve_thinking=False, add_
     return ids, mask
 
 
-def parse_reply(ids, tok):
+def parse_reply(ids, tok, stop=None):
     """Generated ids (after the prompt) -> an assistant message dict, up to the first stop token. It reads
-    ids, not text, so text that merely looks like <tool_call> cannot forge a call."""
+    ids, not text, so text that merely looks like <tool_call> cannot forge a call. stop: a stop string that
+    ended generation; the reply is cut where it first appears (in the thinking: no content follows)."""
     names = {i: s for s, i in tok.special_tokens.items()}
     msg, state, buf = {"role": "assistant", "content": ""}, "content", []
     for i in list(ids) + [tok.eot_id]:
@@ -243,10 +244,43 @@ def parse_reply(ids, tok):
         if names[i].startswith("<|"):  # a stop token (STOP_TOKENS) or any other role header
             break
         state = {"<think>": "think", "<tool_call>": "call"}.get(names[i], "content")
+    for key in ("reasoning_content", "content") if stop else ():
+        if stop in msg.get(key, ""):
+            msg[key] = msg[key][:msg[key].index(stop)]
+            if key == "reasoning_content":
+                msg["content"] = ""  # nothing after the stop string survives
+            break
     msg["content"] = msg["content"].strip()
+    if "reasoning_content" in msg:
+        msg["reasoning_content"] = msg["reasoning_content"].strip()
     if not msg.get("reasoning_content"):
         msg.pop("reasoning_content", None)
     return msg
+
+
+class ReplyStream:
+    """Generated ids in, text out as it becomes whole characters: feed(ids) -> {"reasoning_content": ...,
+    "content": ...} (keys present only when they grew), split at <think> / </think> by token id, other special
+    tokens and `stop_ids` dropped. serve.py's streamed chat and terminal() use it."""
+
+    def __init__(self, tok, stop_ids=()):
+        self.tok, self.specials = tok, set(tok.special_tokens.values()) | set(stop_ids)
+        self.think = {tok.special_tokens["<think>"]: True, tok.special_tokens["</think>"]: False}
+        self.thinking, self.buf, self.sent = False, [], 0  # ids since the last special token, chars sent of them
+
+    def feed(self, ids):
+        delta = {}
+        for t in list(ids) + [None]:  # None: flush what decodes to whole characters so far
+            if t is not None and t not in self.specials:
+                self.buf.append(t)
+                continue
+            text = self.tok.decode(self.buf)[self.sent:]
+            if text and (t is not None or not text.endswith("\ufffd")):  # hold back a partial UTF-8 character
+                key = "reasoning_content" if self.thinking else "content"
+                delta[key], self.sent = delta.get(key, "") + text, self.sent + len(text)
+            if t is not None:
+                self.buf, self.sent, self.thinking = [], 0, self.think.get(t, self.thinking)
+        return delta
 
 
 def show(ids, mask, tok):
@@ -266,8 +300,6 @@ def terminal(engine, sp, thinking):
     """`python serve.py --ckpt DIR --chat`: read a line, stream the reply of a serve.Engine (thinking dimmed),
     keep the conversation (thinking dropped from earlier turns as render() does); /think toggles thinking."""
     tok, msgs = engine.tok, []
-    shade = {tok.special_tokens["<think>"]: "\033[2m", tok.special_tokens["</think>"]: "\033[0m\n"}
-    specials = set(tok.special_tokens.values())
     print("nanoGLM chat: empty line or Ctrl-D quits, /think toggles thinking, /reset clears the conversation")
     while True:
         try:
@@ -282,18 +314,12 @@ def terminal(engine, sp, thinking):
             continue
         msgs.append({"role": "user", "content": line, "thinking": thinking})
         r = engine.submit(render(msgs, tok, add_generation_prompt=True)[0], copy.copy(sp))
-        shown, pending = 0, []  # pending: ids that do not yet decode to whole characters
+        shown, split = 0, ReplyStream(tok, engine.stop_ids)
         while r.finish is None:
             engine.step()
-            for t in r.out[shown:]:
-                if t in shade or t in specials:
-                    print(tok.decode(pending) + shade.get(t, ""), end="", flush=True)
-                    pending = []
-                elif not tok.decode(pending + [t]).endswith("\ufffd"):
-                    print(tok.decode(pending + [t]), end="", flush=True)
-                    pending = []
-                else:
-                    pending.append(t)
+            for t in r.out[shown:]:  # one id at a time, so thinking and content never share a delta
+                d = split.feed([t])
+                print("\033[2m" + d.get("reasoning_content", "") + "\033[0m" + d.get("content", ""), end="", flush=True)
             shown = len(r.out)
         print("\033[0m")
         msgs.append(parse_reply(r.out, tok))

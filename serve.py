@@ -25,7 +25,8 @@ max_tokens are reserved at admission (no preemption); each step gathers every ro
 (B, S, 576) tensor per layer (a real engine reads pages inside the attention kernel); one process, one
 device. The MTP block's drafts 2..N reuse its cache slots at the next positions, an approximation that
 lowers the accept rate but never changes the output. "tools" are not rendered into the prompt; replies are
-parsed for chat.py's tool-call format (<tool_call>name\\n{json}</tool_call>) into tool_calls.
+parsed for chat.py's tool-call format (<tool_call>name\\n{json}</tool_call>) into tool_calls, but streamed
+chat sends a call's text as content, and a stop string there may already be partly streamed when it fires.
 """
 
 import argparse
@@ -223,7 +224,7 @@ class Request:
         self.prompt, self.sp, self.stop_ids = list(prompt), sp, stop_ids
         self.out, self.logprobs, self.top = [], [], []  # generated ids, their logprobs, top alternatives
         self.pages, self.n_cached = [], 0
-        self.finish, self.error, self.aborted = None, None, False
+        self.finish, self.error, self.aborted, self.stop_str = None, None, False, None
         self.text, self.sent = "", 0  # text so far (cut at a stop string) and how much was streamed
         self.events = queue.Queue()  # ("tokens", n new) ... then ("done", None)
         self.gen = torch.Generator().manual_seed(sp.seed if sp.seed is not None else int.from_bytes(os.urandom(6), "little"))
@@ -239,11 +240,12 @@ class Engine:
     """Continuous batching over a PagedCache. submit() from any thread; step() from one thread."""
 
     def __init__(self, model, tok, num_pages=512, page_size=16, max_batch=32, max_model_len=None,
-                 spec_tokens=0, prefix_cache=True, max_waiting=256):
+                 spec_tokens=0, prefix_cache=True, max_waiting=256, default_max_tokens=1024):
         self.model, self.tok, self.cfg = model, tok, model.config
         p = next(model.parameters())
         self.cache = PagedCache(self.cfg, num_pages, page_size, p.device, p.dtype)
         self.device, self.max_batch, self.max_waiting = p.device, max_batch, max_waiting
+        self.default_max_tokens = default_max_tokens  # chat without max_tokens (pages are reserved up front)
         self.max_model_len = min(max_model_len or self.cfg.max_position_embeddings, self.cfg.max_position_embeddings)
         if spec_tokens and not model.mtp_layers:
             raise ValueError("--spec needs a checkpoint with an MTP block (num_nextn_predict_layers >= 1)")
@@ -319,15 +321,19 @@ class Engine:
             self.finish(r, "abort")
         while self.waiting and len(self.running) < self.max_batch:
             with self.cond:
-                r = self.waiting[0]
+                r = self.waiting.popleft()
             if r.aborted:
-                self.waiting.popleft()
                 self.finish(r, "abort")
                 continue
-            if not self.admit(r):
-                break  # not enough free pages: wait for running requests to finish
-            with self.cond:
-                self.waiting.popleft()
+            try:
+                admitted = self.admit(r)
+            except Exception as e:  # a prompt that cannot be prefilled fails alone; the batch goes on
+                self.fail(r, e)
+                continue
+            if not admitted:  # not enough free pages: it waits, first in line, for running requests to finish
+                with self.cond:
+                    self.waiting.appendleft(r)
+                break
         if self.running:
             (self.spec_step if self.spec else self.decode_step)(list(self.running))  # a copy: finish() edits running
         return len(self.running) + len(self.waiting)
@@ -424,30 +430,36 @@ class Engine:
                 r.top.append(list(zip(ix.tolist(), v.tolist())))
         if token in r.stop_ids:
             return self.finish(r, "stop")
-        r.text = self.tok.decode(r.out)
+        text = self.tok.decode(r.out)  # r.text is only ever assigned whole (handler threads read it)
         for s in sp.stop:
-            if s in r.text:
-                r.text = r.text[:r.text.index(s)]
+            if s in text:
+                r.text, r.stop_str = text[:text.index(s)], s
                 return self.finish(r, "stop")
+        r.text = text
         if len(r.out) >= sp.max_tokens or len(r.tokens) >= self.max_model_len:
             return self.finish(r, "length")
-        r.events.put(("tokens", None))
+        r.events.put(("tokens", len(r.out)))  # the count: its token, logprob and text are all recorded
 
     def finish(self, r, reason):
         r.finish = reason
-        if self.prefix_cache:  # every written full page (the last token was never fed) can serve a later turn
+        if self.prefix_cache and reason != "error":  # written full pages (the last token was never fed)
             self.cache.register(r.tokens[:len(r.tokens) - 1], r.pages)
         self.cache.release(r.pages)
         r.pages = []
         if r in self.running:
             self.running.remove(r)
-        r.events.put(("done", None))
+        r.events.put(("done", len(r.out)))
+
+    def fail(self, r, e):
+        print(f"engine error: {type(e).__name__}: {e}", file=sys.stderr)
+        r.error = f"internal error: {type(e).__name__}: {e}"
+        self.finish(r, "error")
 
     def pending_text(self, r):
         """Text not yet streamed, holding back a partial UTF-8 character or a possible stop-string start."""
-        text = r.text
+        finished, text = r.finish is not None, r.text  # in this order: a finished request's text is final
         end = len(text)
-        if r.finish is None:
+        if not finished:
             while end > r.sent and text[end - 1] == "\ufffd":
                 end -= 1
             for s in r.sp.stop:
@@ -477,10 +489,8 @@ class Engine:
             try:
                 self.step()
             except Exception as e:  # never let one bad batch kill the server: fail its requests
-                print(f"engine error: {type(e).__name__}: {e}", file=sys.stderr)
                 for r in list(self.running):
-                    r.error = f"internal error: {type(e).__name__}: {e}"
-                    self.finish(r, "error")
+                    self.fail(r, e)
 
 
 # -----------------------------------------------------------------------------
@@ -512,15 +522,15 @@ def field(body, name, kinds, default, ok=lambda v: True, need="valid"):
     return v
 
 
-def sampling_from(body, path, max_model_len):
+def sampling_from(body, path, chat_default):
     num, integer = (int, float), (int,)
     sp = SamplingParams(
         max_tokens=field(body, "max_completion_tokens", integer, None, lambda v: v >= 1, "an integer >= 1")
-        or field(body, "max_tokens", integer, 16 if path == "/v1/completions" else max_model_len, lambda v: v >= 1, "an integer >= 1"),
-        temperature=float(field(body, "temperature", num, 1.0, lambda v: 0 <= v <= 100, "a number in [0, 100]")),
+        or field(body, "max_tokens", integer, 16 if path == "/v1/completions" else chat_default, lambda v: v >= 1, "an integer >= 1"),
+        temperature=float(field(body, "temperature", num, 1.0, lambda v: v == 0 or 1e-3 <= v <= 100, "0 (greedy) or a number in [1e-3, 100]")),
         top_p=float(field(body, "top_p", num, 1.0, lambda v: 0 < v <= 1, "a number in (0, 1]")),
         top_k=field(body, "top_k", integer, 0, lambda v: v >= -1, "an integer >= -1 (-1 or 0: off)"),
-        seed=field(body, "seed", integer, None),
+        seed=field(body, "seed", integer, None, lambda v: 0 <= v < 2**63, "an integer in [0, 2**63)"),
         ignore_eos=field(body, "ignore_eos", (bool,), False, need="a boolean"))
     sp.top_k = max(sp.top_k, 0)
     stop = field(body, "stop", (str, list), [], lambda v: isinstance(v, str) or all(isinstance(s, str) and s for s in v),
@@ -530,6 +540,8 @@ def sampling_from(body, path, max_model_len):
         sp.logprobs = field(body, "logprobs", integer, None, lambda v: 0 <= v <= 20, "an integer in [0, 20]")
     elif field(body, "logprobs", (bool,), False, need="a boolean"):
         sp.logprobs = field(body, "top_logprobs", integer, 0, lambda v: 0 <= v <= 20, "an integer in [0, 20]")
+    elif body.get("top_logprobs") is not None:
+        raise APIError(400, "'top_logprobs' needs \"logprobs\": true", "top_logprobs", "invalid_value")
     field(body, "n", integer, 1, lambda v: v == 1, "1 (one choice per request)")
     return sp
 
@@ -564,13 +576,17 @@ class Handler(BaseHTTPRequestHandler):
         self.send_error_json(APIError(404, f"no route GET {self.path}; try /health, /v1/models", code="not_found"))
 
     def do_POST(self):
+        self.body_read = False
         try:
             self.handle_post()
         except APIError as e:
-            self.close_connection = self.close_connection or e.status == 413
+            self.close_connection = self.close_connection or not self.body_read  # an unread body ends the connection
             self.send_error_json(e)
         except (BrokenPipeError, ConnectionResetError):
             pass
+        except Exception as e:  # a bug here must still answer, and never take the server down
+            self.close_connection = True
+            self.send_error_json(APIError(500, f"internal error: {type(e).__name__}: {e}", code="internal_error"))
 
     def handle_post(self):
         s, path = self.server, self.path
@@ -580,12 +596,14 @@ class Handler(BaseHTTPRequestHandler):
             n = int(self.headers.get("Content-Length", ""))
         except ValueError:
             raise APIError(400, "a Content-Length header is required", code="invalid_request") from None
+        if n < 0:
+            raise APIError(400, f"Content-Length must be >= 0, got {n}", code="invalid_request")
         if n > s.max_body:
-            self.close_connection = True  # the body is not read
             raise APIError(413, f"request body of {n} bytes exceeds the limit of {s.max_body}", code="request_too_large")
+        raw, self.body_read = self.rfile.read(n), True
         try:
-            body = json.loads(self.rfile.read(n))
-        except (ValueError, UnicodeDecodeError) as e:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:
             raise APIError(400, f"the body is not valid JSON ({e})", code="invalid_json") from None
         if not isinstance(body, dict):
             raise APIError(400, "the body must be a JSON object", code="invalid_json")
@@ -595,7 +613,7 @@ class Handler(BaseHTTPRequestHandler):
         if body.get("model") not in (None, s.model_name):
             raise APIError(404, f"model '{body['model']}' does not exist; this server serves '{s.model_name}'", "model", "model_not_found")
         eng, tok = s.engine, s.engine.tok
-        sp = sampling_from(body, path, eng.max_model_len)
+        sp = sampling_from(body, path, eng.default_max_tokens)
         stream = field(body, "stream", (bool,), False, need="a boolean")
         opts = field(body, "stream_options", (dict,), {}, lambda v: set(v) <= {"include_usage"} and
                      isinstance(v.get("include_usage", False), bool), "an object with a boolean include_usage")
@@ -675,7 +693,7 @@ class Handler(BaseHTTPRequestHandler):
         if path == "/v1/completions":
             choice["text"] = r.echo + r.text
         else:
-            msg = chat.parse_reply(r.out, self.server.engine.tok)
+            msg = chat.parse_reply(r.out, self.server.engine.tok, stop=r.stop_str)
             choice["message"] = msg
             if msg.get("tool_calls") and r.finish == "stop":
                 choice["finish_reason"] = "tool_calls"
@@ -695,9 +713,7 @@ class Handler(BaseHTTPRequestHandler):
         head, tok = self.header(r, path), self.server.engine.tok
         if path != "/v1/completions":
             head["object"] = "chat.completion.chunk"
-        think = {tok.special_tokens.get("<think>"): True, tok.special_tokens.get("</think>"): False}
-        specials = set(tok.special_tokens.values()) | r.stop_ids
-        mode, sent_tokens, buf, buf_sent = False, 0, [], 0  # chat: reasoning vs content, by token ids
+        split, sent_tokens = chat.ReplyStream(tok, r.stop_ids), 0  # chat: reasoning_content vs content
 
         def send(obj):
             self.wfile.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
@@ -705,24 +721,14 @@ class Handler(BaseHTTPRequestHandler):
 
         done = False
         while not done:
-            done = r.events.get()[0] == "done"
+            events = [r.events.get()]  # (kind, len(r.out) when it was recorded), in order
             while not r.events.empty():
-                done = done or r.events.get()[0] == "done"
-            hi = len(r.out)
+                events.append(r.events.get())
+            done, hi = any(k == "done" for k, _ in events), events[-1][1]
             if path == "/v1/completions":
                 delta = {"text": (r.echo if sent_tokens == 0 else "") + self.server.engine.pending_text(r)}
-            else:  # reasoning_content inside <think> ... </think>, content outside; split by token ids
-                delta = {"role": "assistant"} if sent_tokens == 0 else {}
-                for t in r.out[sent_tokens:hi] + [None]:  # None: flush what decodes completely so far
-                    if t is not None and t not in specials:
-                        buf.append(t)
-                        continue
-                    text = tok.decode(buf)[buf_sent:]
-                    if text and (t is not None or not text.endswith("\ufffd")):
-                        key = "reasoning_content" if mode else "content"
-                        delta[key], buf_sent = delta.get(key, "") + text, buf_sent + len(text)
-                    if t is not None:
-                        buf, buf_sent, mode = [], 0, think.get(t, mode)
+            else:
+                delta = {**({"role": "assistant"} if sent_tokens == 0 else {}), **split.feed(r.out[sent_tokens:hi])}
             choice = {"index": 0, "finish_reason": r.finish if done else None,
                       "logprobs": self.logprobs_obj(r, path, sent_tokens, hi)}
             choice["text" if path == "/v1/completions" else "delta"] = delta["text"] if path == "/v1/completions" else delta
@@ -764,6 +770,7 @@ def main(argv=None):
     arg("--num_pages", type=int, default=2048, help="cache pages (memory = pages x page_size x layers x 704 values)")
     arg("--page_size", type=int, default=16), arg("--max_batch", type=int, default=32)
     arg("--max_model_len", type=int, default=None)
+    arg("--default_max_tokens", type=int, default=1024, help="a chat request's max_tokens when it sets none")
     arg("--spec", type=int, default=0, help="MTP speculative decoding: draft this many tokens (0: off)")
     arg("--no_prefix_cache", action="store_true")
     arg("--chat", action="store_true", help="a terminal chat instead of the server")
@@ -774,7 +781,8 @@ def main(argv=None):
         tok = Tokenizer.load(a.tokenizer) if a.tokenizer else get_tokenizer(m.config.vocab_size)
     except (FileNotFoundError, ValueError, RuntimeError) as e:
         sys.exit(f"serve.py: {e}")
-    eng = Engine(m, tok, a.num_pages, a.page_size, a.max_batch, a.max_model_len, a.spec, not a.no_prefix_cache)
+    eng = Engine(m, tok, a.num_pages, a.page_size, a.max_batch, a.max_model_len, a.spec, not a.no_prefix_cache,
+                 default_max_tokens=a.default_max_tokens)
     if a.chat:
         return chat.terminal(eng, SamplingParams(max_tokens=512, temperature=a.temperature), not a.no_thinking)
     srv, stop = make_server(eng, a.host, a.port, os.path.basename(os.path.normpath(a.ckpt)))

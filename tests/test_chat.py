@@ -388,3 +388,18 @@ def test_prepare_sft_mixes_in_env_conversations(tok, sft_files, tmp_path):
     path.write_text(json.dumps(convs[0]) + "\n" + json.dumps({"messages": [{"role": "wizard", "content": "x"}]}) + "\n")
     with pytest.raises(ValueError, match="line 2"):
         chat.prepare_sft(out_dir=str(tmp_path / "c"), files=sft_files, tokenizer=tok, verbose=False, extra=str(path))
+
+
+def test_reply_stream_matches_parse_reply(tok):
+    """Streamed deltas (one id at a time, or in chunks) add up to parse_reply's reasoning and content, and a
+    partial UTF-8 character is held back until it is whole."""
+    s = tok.special_tokens
+    ids = [s["<think>"]] + tok.encode("plan: é then ü") + [s["</think>"]] + tok.encode("the answer — 42") + [tok.eot_id]
+    want = chat.parse_reply(ids, tok)
+    for chunk in (1, 3, len(ids)):
+        rs, got = chat.ReplyStream(tok), {"reasoning_content": "", "content": ""}
+        for i in range(0, len(ids), chunk):
+            for k, v in rs.feed(ids[i:i + chunk]).items():
+                assert "\ufffd" not in v
+                got[k] += v
+        assert got["reasoning_content"].strip() == want["reasoning_content"] and got["content"].strip() == want["content"]

@@ -8,6 +8,7 @@ import pytest
 import requests
 import torch
 
+import chat
 import model
 import serve
 from conftest import randomize, tiny_config
@@ -114,6 +115,29 @@ def test_stop_conditions(ckpt, one_thread):
     assert t.finish == "stop" and stop not in t.text and text.startswith(t.text)
     with pytest.raises(ValueError, match="context"):
         eng.submit(list(range(1, 10)) * 60, GREEDY)
+
+
+def test_a_request_that_fails_alone_leaves_the_engine_serving(ckpt, one_thread):
+    """A prefill that raises (here: a nan temperature makes the probabilities nan, which the HTTP layer
+    refuses) fails that request only: the one behind it runs, every page comes back, and the failed
+    prompt's half-written pages never enter the prefix cache."""
+    eng = engine(ckpt)
+    bad = eng.submit(PROMPTS[2], serve.SamplingParams(max_tokens=4, temperature=float("nan"), ignore_eos=True))
+    good = eng.submit(PROMPTS[0], GREEDY)
+    while eng.step():
+        pass
+    assert bad.finish == "error" and "internal error" in bad.error and good.finish == "length"
+    assert good.out == engine(ckpt).generate([PROMPTS[0]], GREEDY)[0].out
+    assert eng.cache.available() == eng.cache.num_pages
+    layer, calls = eng.model.model.layers[2], []  # now a prefill that dies half-way through the layers
+    real = layer.forward
+    layer.forward = lambda *a, **k: calls.append(1) or (real(*a, **k) if len(calls) > 1 else 1 / 0)
+    other = list(range(60, 81))
+    assert eng.generate([other], GREEDY)[0].finish == "error"
+    del layer.forward
+    want = engine(ckpt).generate([other, PROMPTS[2]], GREEDY)
+    again = eng.generate([other, PROMPTS[2]], GREEDY)  # no page of the failed prefill was cached as valid
+    assert [r.out for r in again] == [r.out for r in want] and again[0].n_cached == 0
 
 
 def test_seeded_sampling_is_reproducible(ckpt, one_thread):
@@ -230,6 +254,12 @@ def test_http_streaming(server):
     ("/v1/completions", {"prompt": list(range(1, 250))}, 400, "prompt"),  # longer than max_model_len 200
     ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404, "model"),
     ("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1}, 400, "echo"),
+    ("/v1/completions", {"prompt": "x", "temperature": 1e-40}, 400, "temperature"),
+    ("/v1/completions", b'{"prompt": "x", "temperature": NaN}', 400, "temperature"),
+    ("/v1/completions", {"prompt": "x", "seed": 2**64}, 400, "seed"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400, "top_logprobs"),
+    ("/v1/completions", b"[" * 100000 + b"]" * 100000, 413, None),
+    ("/v1/completions", b"[" * 2000 + b"]" * 2000, 400, None),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stream": "yes"}, 400, "stream"),
@@ -244,6 +274,33 @@ def test_http_malformed(server, path, body, status, param):
     assert set(err) == {"message", "type", "param", "code"} and err["message"] and err["param"] == param
     ok = requests.post(server + "/v1/completions", json={"prompt": [5, 6], "max_tokens": 2})  # still serving
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_http_keepalive_and_bad_lengths(server):
+    with requests.Session() as s:  # an error before the body is read must not poison the pooled connection
+        assert s.post(server + "/v1/embeddings", json={"input": "x" * 100}).status_code == 404
+        assert s.post(server + "/v1/completions", json={"prompt": [5, 6], "max_tokens": 2}).status_code == 200
+    import http.client
+    host, port = server[len("http://"):].split(":")
+    c = http.client.HTTPConnection(host, int(port), timeout=10)
+    c.putrequest("POST", "/v1/completions")
+    c.putheader("Content-Length", "-5")
+    c.endheaders()
+    r = c.getresponse()
+    assert r.status == 400 and "Content-Length" in json.loads(r.read())["error"]["message"]
+
+
+def test_chat_reply_is_cut_at_the_stop_string(ckpt):
+    tok = ckpt[1]
+    think, end = tok.special_tokens["<think>"], tok.special_tokens["</think>"]
+    r = serve.Request([1], serve.SamplingParams(stop=["lazy"]), set())
+    r.out = [think] + tok.encode("the quick fox") + [end] + tok.encode("return 'hi' + lazy dog")
+    r.stop_str = "lazy"
+    assert chat.parse_reply(r.out, tok, stop=r.stop_str) == {"role": "assistant", "content": "return 'hi' +", "reasoning_content": "the quick fox"}
+    r.stop_str = "quick"  # in the thinking: the reasoning is cut there and no content follows
+    assert chat.parse_reply(r.out, tok, stop=r.stop_str) == {"role": "assistant", "content": "", "reasoning_content": "the"}
+    r.stop_str = None
+    assert chat.parse_reply(r.out, tok, stop=r.stop_str)["content"] == "return 'hi' + lazy dog"
 
 
 def test_http_concurrent_clients_and_full(server, ckpt):
