@@ -319,7 +319,8 @@ def terminal(engine, sp, thinking):
             engine.step()
             for t in r.out[shown:]:  # one id at a time, so thinking and content never share a delta
                 d = split.feed([t])
-                print("\033[2m" + d.get("reasoning_content", "") + "\033[0m" + d.get("content", ""), end="", flush=True)
+                dim = "\033[2m" + d["reasoning_content"] + "\033[0m" if d.get("reasoning_content") else ""
+                print(dim + d.get("content", ""), end="", flush=True)
             shown = len(r.out)
         print("\033[0m")
         msgs.append(parse_reply(r.out, tok))

@@ -773,6 +773,7 @@ def main(argv=None):
     arg("--default_max_tokens", type=int, default=1024, help="a chat request's max_tokens when it sets none")
     arg("--spec", type=int, default=0, help="MTP speculative decoding: draft this many tokens (0: off)")
     arg("--no_prefix_cache", action="store_true")
+    arg("--served_model_name", default=None, help="the model id clients send (default: the --ckpt path, as vLLM)")
     arg("--chat", action="store_true", help="a terminal chat instead of the server")
     arg("--temperature", type=float, default=0.7, help="--chat's sampling temperature"), arg("--no_thinking", action="store_true")
     a = ap.parse_args(argv)
@@ -785,7 +786,7 @@ def main(argv=None):
                  default_max_tokens=a.default_max_tokens)
     if a.chat:
         return chat.terminal(eng, SamplingParams(max_tokens=512, temperature=a.temperature), not a.no_thinking)
-    srv, stop = make_server(eng, a.host, a.port, os.path.basename(os.path.normpath(a.ckpt)))
+    srv, stop = make_server(eng, a.host, a.port, a.served_model_name or a.ckpt)
     print(f"serving {a.ckpt} on http://{a.host}:{a.port} (pages {a.num_pages} x {a.page_size}, spec {a.spec})")
     try:
         srv.serve_forever()

@@ -339,7 +339,7 @@ def test_terminal_chat_keeps_the_conversation(ckpt, one_thread, monkeypatch, cap
     monkeypatch.setattr(eng, "submit", lambda p, sp: submitted.append(p) or submit(p, sp))
     chat.terminal(eng, serve.SamplingParams(max_tokens=6, temperature=0), thinking=True)
     out = capsys.readouterr().out
-    assert "(thinking off)" in out and len(submitted) == 2
+    assert "(thinking off)" in out and len(submitted) == 2 and "\033[2m\033[0m" not in out  # no empty dim spans
     assert eng.stats["cached_tokens"] >= 4 and len(submitted[1]) > len(submitted[0])
     tok = ckpt[1]
     assert tok.decode(submitted[1]).count("hello there") == 1 and "and again" in tok.decode(submitted[1])
