@@ -562,7 +562,8 @@ def prepare_sft(vocab_size=4096, out_dir="data/sft", seed=1337, val_fraction=dat
     assert tok.vocab_size <= 2**16, "uint16 ids need vocab_size <= 65536"
     train, val = data.split_files(files, val_fraction)
     extra_convs, extra_hash = load_extra(extra) if extra else ([], None)
-    extra_split = data.split_files([f"extra/{i}" for i in range(len(extra_convs))], val_fraction)
+    keys = {f"{extra_hash}:{i}": conv for i, conv in enumerate(extra_convs)}  # split by line as files are by path
+    extra_train, extra_val = data.split_files(list(keys), val_fraction)
     want = {"vocab_size": tok.vocab_size, "tokenizer_hash": tok.hash, "listing_hash": data.listing_hash(root, files),
             "seed": seed, "val_fraction": val_fraction, "template_hash": TEMPLATE_HASH, "extra_hash": extra_hash}
     meta_path = os.path.join(out_dir, "meta.json")
@@ -580,10 +581,10 @@ def prepare_sft(vocab_size=4096, out_dir="data/sft", seed=1337, val_fraction=dat
     os.makedirs(out_dir, exist_ok=True)
     t0, done = time.time(), 0
     meta = dict(want, sizes={}, conversations={}, tokens={}, trained_tokens={}, kinds={})
-    for split, names, extra_names in (("train", train, extra_split[0]), ("val", val, extra_split[1])):
+    for split, names, extras in (("train", train, extra_train), ("val", val, extra_val)):
         ids, mask, starts = [], [], []
-        for rel in names + extra_names:
-            convs = [extra_convs[int(rel[6:])]] if rel.startswith("extra/") else conversations([rel], root, seed)
+        for rel in names + extras:
+            convs = [keys[rel]] if rel in keys else conversations([rel], root, seed)
             for conv in convs:
                 i, m = render_conversation(conv, tok)
                 assert any(m), "every SFT conversation has assistant tokens"

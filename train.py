@@ -375,12 +375,13 @@ def main():
         raise SystemExit(f"the model's vocab_size ({cfg.vocab_size}) is smaller than the tokenizer's "
                          f"({tok.vocab_size}); raise vocab_size or lower tokenizer_vocab_size")
     sdir = os.path.join(here, sft_data_dir)
-    if master:  # the corpus, or for SFT the rendered conversations (tokenized once, cached)
+    if master and stage != "sft":  # the corpus, or for SFT the rendered conversations (tokenized once, cached)
+        data.prepare(tokenizer_vocab_size, out_dir=ddir, tokenizer=tok)
+    elif master:
         try:
-            data.prepare(tokenizer_vocab_size, out_dir=ddir, tokenizer=tok) if stage != "sft" else \
-                chat.prepare_sft(tokenizer_vocab_size, out_dir=sdir, tokenizer=tok, extra=sft_extra and os.path.join(here, sft_extra))
-        except (FileNotFoundError, ValueError) as e:
-            raise SystemExit(f"sft_extra: {e}") if sft_extra else e
+            chat.prepare_sft(tokenizer_vocab_size, out_dir=sdir, tokenizer=tok, extra=sft_extra and os.path.join(here, sft_extra))
+        except (FileNotFoundError, ValueError) as e:  # a missing or malformed sft_extra file
+            raise SystemExit(f"stage sft: {e}") from None
     if distributed:
         torch.distributed.barrier()  # rank 0 wrote the data before the others read it
     loader = chat.SFTLoader(sdir) if stage == "sft" else data.DataLoader(ddir)

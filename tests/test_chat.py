@@ -383,7 +383,9 @@ def test_prepare_sft_mixes_in_env_conversations(tok, sft_files, tmp_path):
     rendered = [chat.render(c["messages"], tok, preserve_thinking=True) for c in convs]
     assert sum(meta["trained_tokens"].values()) == sum(base["trained_tokens"].values()) + sum(sum(m) for _, m in rendered)
     ids = chat.SFTLoader(str(tmp_path / "b")).splits["train"][0].tolist()
-    first_train = [r for i, r in enumerate(rendered) if f"extra/{i}" in data.split_files([f"extra/{j}" for j in range(6)], 0.3)[0]][0]
+    h = chat.load_extra(str(path))[1]
+    extra_train = data.split_files([f"{h}:{j}" for j in range(6)], 0.3)[0]  # split by line, as prepare_sft does
+    first_train = [r for i, r in enumerate(rendered) if f"{h}:{i}" in extra_train][0]
     assert any(ids[k:k + len(first_train[0])] == first_train[0] for k in range(len(ids)))
     path.write_text(json.dumps(convs[0]) + "\n" + json.dumps({"messages": [{"role": "wizard", "content": "x"}]}) + "\n")
     with pytest.raises(ValueError, match="line 2"):
