@@ -47,7 +47,8 @@ import torch
 import data
 import model
 import muon
-from bench_train import describe_machine, pick_device, sync
+from bench_train import describe_machine
+from train import pick_device, sync
 from tokenizer import get_tokenizer
 
 HERE = os.path.dirname(os.path.abspath(__file__))

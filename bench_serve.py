@@ -39,7 +39,8 @@ import torch
 
 import model as glm
 import serve
-from bench_train import describe_machine, pick_device, sync
+from bench_train import describe_machine
+from train import pick_device, sync
 from data import DataLoader
 from tokenizer import get_tokenizer
 

@@ -45,24 +45,10 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import model
 import muon
+from train import measure_peak_flops, pick_device, sync  # one definition of device, sync and peak
 
 # -----------------------------------------------------------------------------
 # The machine: named in every benchmark's output
-
-
-def pick_device(name):
-    if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise SystemExit(f"device {name!r} is not available on this machine (no CUDA GPU); use --device=cpu")
-    if name != "cpu" and not name.startswith("cuda"):
-        raise SystemExit(f"device {name!r} is not supported by the benchmarks; use auto, cpu, cuda or cuda:N")
-    return name
-
-
-def sync(dev):
-    if dev.startswith("cuda"):
-        torch.cuda.synchronize()
 
 
 def mem_available():
@@ -93,21 +79,6 @@ def describe_machine(dev="cpu"):
 
 # -----------------------------------------------------------------------------
 # The peak: the denominator of MFU, measured here, now, in the training dtype
-
-
-def matmul_peak(dev, dtype, n, reps=10):
-    """Best FLOP/s of one n x n @ n x n matmul over `reps` timed tries (after two untimed)."""
-    a, b = torch.randn(n, n, device=dev, dtype=dtype), torch.randn(n, n, device=dev, dtype=dtype)
-    for _ in range(2):
-        a @ b
-    best = float("inf")
-    for _ in range(reps):
-        sync(dev)
-        t0 = time.perf_counter()
-        a @ b
-        sync(dev)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n ** 3 / best
 
 
 # -----------------------------------------------------------------------------
@@ -264,7 +235,7 @@ def main():
         torch.backends.cuda.matmul.allow_tf32 = True
     print(describe_machine(dev))
     n = 8192 if dev.startswith("cuda") else 2048
-    peak = matmul_peak(dev, dtype, n)
+    peak = measure_peak_flops(dev, dtype, n, reps=10)
     dname = str(dtype).replace("torch.", "")
     print(f"matmul peak: {peak / 1e12:.3f} TFLOP/s ({dname}, {n} x {n} x {n}, best of 10, measured now)", flush=True)
 
