@@ -18,9 +18,8 @@ GLM-5, the model (GLM-5 report section 2; SPEC sections 1-6), in one file:
 Run it:
     python model.py configs/toy.py     # build, forward, backward, parameter table (seconds on a CPU)
     python model.py configs/full.py    # the 744B parameter table, instantly, on the meta device
-Honest limits: attention here is plain torch (SDPA for the dense path), except that on a GPU the
-gathered DSA path's indexer and sparse attention run as Triton kernels (kernels.py); kernels.py's grouped
-experts and W4A8 matmul are not wired in here. KVCache is one contiguous block per layer (serve.py pages it).
+Honest limits: attention is plain torch (SDPA when dense) except the gathered DSA path's Triton kernels on a
+GPU; kernels.py's grouped experts and W4A8 are not wired in; KVCache is contiguous (serve.py pages it).
 """
 
 import dataclasses
@@ -392,18 +391,18 @@ class MoE(nn.Module):
         # an expert with no tokens still runs (on an empty batch) so its gradient is zeros, not None:
         # FSDP2 ranks must agree on which gradients exist
         outs = [self.experts[e](x_e) for e, x_e in enumerate(xs.split(counts.tolist()))]
-        y = combine_experts(torch.cat(outs), order, w)  # (N, D)
+        y = combine_experts(torch.cat(outs), order, w, flat.dtype)  # (N, D)
         balance = sequence_balance_loss(scores.view(B, T, E), ids.view(B, T, k), E) if want_balance else None
         return (y + self.shared_experts(flat)).view(B, T, D), balance
 
 
-def combine_experts(out_sorted, order, w):
-    """out_sorted (N * k, D): expert outputs for the (token, slot) pairs in expert-grouped `order`;
-    w (N, k) routing weights -> y (N, D) = sum over slots of w * out. The outputs go back to (token, slot)
-    order by one index_copy and are summed over the k slots: no scatter-add, which is slow on CPUs."""
+def combine_experts(out_sorted, order, w, dtype):
+    """out_sorted (N * k, D) expert outputs of the (token, slot) pairs in expert order `order`, w (N, k) fp32
+    -> y (N, D) = sum over slots of w * out, in fp32, returned in `dtype` (the residual stream's). One
+    index_copy back to (token, slot) order and a sum over the k slots: no scatter-add (slow on CPUs)."""
     N, k = w.shape
     slots = torch.zeros_like(out_sorted).index_copy(0, order, out_sorted)  # (N * k, D), (token, slot) order
-    return (slots.view(N, k, -1) * w[..., None]).sum(1).to(out_sorted.dtype)
+    return (slots.view(N, k, -1) * w[..., None]).sum(1).to(dtype)
 
 
 def sequence_balance_loss(scores, ids, E):
@@ -496,13 +495,14 @@ class KVCache:
 
     def write(self, layer_id, positions, latent, index_k):
         """positions (B, T), rows may differ -> each row's (B, S, ...) latents, keys (serve.PagedCache: same API)."""
-        if int(positions.max()) >= self.max_seq_len:
-            raise ValueError(f"position {int(positions.max())} is past the cache's max_seq_len {self.max_seq_len}; allocate a longer KVCache")
+        S = int(positions.max()) + 1  # the one host sync: the check below and the visible length
+        if S > self.max_seq_len:
+            raise ValueError(f"position {S - 1} is past the cache's max_seq_len {self.max_seq_len}; allocate a longer KVCache")
         if positions.shape[0] > self.kv.shape[1]:
             raise ValueError(f"a batch of {positions.shape[0]} rows does not fit a KVCache built for {self.kv.shape[1]}; build it with batch_size >= the batch")
         if (latent.dtype, latent.device) != (self.kv.dtype, self.kv.device):
             raise ValueError(f"KVCache holds {self.kv.dtype} on {self.kv.device} but the model computes {latent.dtype} on {latent.device}; pass the model's device and dtype to KVCache")
-        rows, S = torch.arange(positions.shape[0], device=positions.device)[:, None], int(positions.max()) + 1
+        rows = torch.arange(positions.shape[0], device=positions.device)[:, None]
         self.kv[layer_id][rows, positions] = latent.to(self.kv.dtype)
         self.index_k[layer_id][rows, positions] = index_k.to(self.index_k.dtype)
         return self.kv[layer_id][:len(rows), :S], self.index_k[layer_id][:len(rows), :S]

@@ -224,7 +224,7 @@ class ExpertParallelMoE(model.MoE):
         out = torch.cat(outs)[perm.argsort()]  # back to arrival order
         # 4. results back to the tokens' ranks, in the order they were sent
         back = all_to_all(out, send_splits, recv_splits, self.group)  # (N * k, D)
-        y = model.combine_experts(back, order, w)  # (N, D)
+        y = model.combine_experts(back, order, w, flat.dtype)  # (N, D)
         balance = model.sequence_balance_loss(scores.view(B, T, E), ids.view(B, T, k), E) if want_balance else None
         return (y + self.shared_experts(flat)).view(B, T, D), balance
 

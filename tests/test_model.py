@@ -253,3 +253,17 @@ def test_bf16_cast_keeps_router_bias_and_load_counts_exact():
     assert moe.tokens_per_expert.sum() == 8 * 4096 + 8 * 2  # integer counts: nothing rounds away
     m.generate(torch.randint(0, 97, (1, 4)), 3)  # sampling in train mode must not count as load
     assert moe.tokens_per_expert.sum() == 8 * 4096 + 8 * 2
+
+
+def test_combine_experts_sums_in_fp32_and_returns_the_stream_dtype():
+    """bf16 expert outputs (autocast) with fp32 routing weights: summed in fp32, returned as the residual
+    stream's dtype; equal to the plain per-token sum."""
+    N, k, D = 5, 3, 8
+    out = torch.randn(N * k, D).bfloat16()
+    order = torch.randperm(N * k)
+    w = torch.rand(N, k)
+    y = model.combine_experts(out, order, w, torch.float32)
+    slots = torch.empty(N * k, D)
+    slots[order] = out.float()
+    assert y.dtype == torch.float32
+    torch.testing.assert_close(y, (slots.view(N, k, D) * w[..., None]).sum(1))
