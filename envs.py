@@ -12,10 +12,10 @@ graded (reward 1.0 or 0.0, reason says why). Every task generator is seeded and 
 model can learn it, 5 = longer and deeper):
 - math: arithmetic over fractions, linear equations, series, gcd/lcm, modular powers, a word problem. Answers
   are parsed (\\boxed{1/2}, \\frac{1}{2}, 0.5, 2/4 are equal) and compared as exact Fractions, never evaluated.
-- code: write `solve(xs)` from a spec; tool run_python. Grading runs the solution first, then a runner that
-  calls it on hidden inputs, which reach the sandbox only then (read-only in-memory files). The expected outputs
-  never enter it: the host compares what the runner printed, so "PASSED" lines, fake result files or a forged
-  result line earn nothing unless the outputs are right.
+- code: write `solve(xs)` from a spec; tool run_python. Grading runs a runner that imports the solution and
+  calls it on hidden inputs, which exist in the sandbox only during that run (read-only in-memory files), never
+  during tool calls. The expected outputs never enter it: the host compares what the runner printed, so "PASSED"
+  lines, fake result files or a forged result line earn nothing unless the outputs are right.
 - terminal: an instruction over a prepared work dir; tool shell (bash in the sandbox, files persist between
   calls); a verifier reads the final state from the host without following planted links.
 - search: an offline knowledge graph from the seed (people, companies, universities, cities, countries); tools
@@ -166,11 +166,6 @@ def extract_answer(text):
         return values.pop() if len(values) == 1 else None  # a hedge over two answers is no answer
     found = CANDIDATE.findall(text)
     return parse_number(found[-1]) if found else None
-
-
-def answers_equal(text, expected):
-    got = extract_answer(text)
-    return got is not None and got == Fraction(expected)
 
 
 def math_arithmetic(rng, d):
@@ -351,7 +346,6 @@ class CodeEnv(Env):
             self.sb.write("solution.py", blocks[-1])
         except OSError as e:  # the model made solution.py a directory, say
             return 0.0, f"could not write solution.py: {e.strerror}"
-        self.sb.run([self.sb.python, "solution.py"])  # the solution runs first, with no test anywhere in reach
         nonce = uuid.uuid4().hex  # marks the runner's line; forging it gains nothing without right outputs
         r = self.sb.run([self.sb.python, "-I", "/sandbox/run_tests.py"],
                         files={"/sandbox/run_tests.py": RUNNER.replace("{nonce}", nonce),
@@ -665,51 +659,53 @@ def rollout(env, policy, tok, seed=None, thinking=True, keep_recent=None, max_to
                 {"role": "user", "content": task} | ({} if thinking else {"thinking": False})]
     ids = chat.render(messages, tok, add_generation_prompt=True)[0]
     mask, logps = [False] * len(ids), [0.0] * len(ids)
-    while True:
-        got = policy(list(ids))
-        new, lp = (list(got[0]), list(got[1])) if isinstance(got, tuple) else (list(got), None)
-        assert lp is None or len(lp) == len(new), "the policy returned a different number of logprobs than ids"
-        end = next((i + 1 for i, t in enumerate(new) if t in stop_ids), None)
-        new, lp = new[:end], (lp or [0.0] * len(new))[:end]
-        ids, mask, logps = ids + new, mask + [True] * len(new), logps + lp
-        msg = chat.parse_reply(new, tok)
-        out["turns"] += 1
-        if end is None:
-            out["reason"] = "truncated: no stop token"
-            break
-        if new[-1] != obs_id:
-            msg.pop("tool_calls", None)  # it ended its turn: any tool call in it is not run
-        elif not msg.get("tool_calls"):
-            out["reason"] = "format: <|observation|> without a tool call"
-            break
-        try:  # a reply the template cannot render back (empty, non-JSON arguments, thinking when off) ends it
-            chat.render_text([{"role": "user", "content": ".", "thinking": thinking}, msg])
-        except (ValueError, RecursionError) as e:
-            out["reason"] = f"format: {e}"
-            break
-        try:
-            obs, reward, done, reason = env.step(msg)
-        except Exception as e:
-            out |= {"reason": f"env crashed: {type(e).__name__}: {e}", "crashed": True}
-            break
-        messages.append(msg)
-        out["reward"], out["reason"] = reward, reason
-        if done:
-            break
-        messages += [{"role": "observation", "content": o} for o in obs]
-        if len(ids) > max_tokens:
-            out["reason"] = "context full"
-            break
-        folded = fold(messages, keep) if keep else messages
-        if folded != messages:  # the prefix changed: close this segment, start anew
-            out["segments"].append({"ids": ids, "mask": mask, "logprobs": logps})
-            messages = folded
-            ids = chat.render(messages, tok, add_generation_prompt=True, enable_thinking=thinking)[0]
-            mask, logps = [False] * len(ids), [0.0] * len(ids)
-        else:
-            env_ids = observation_ids(tok, obs, thinking)
-            ids, mask, logps = ids + env_ids, mask + [False] * len(env_ids), logps + [0.0] * len(env_ids)
-    env.close()
+    try:  # the policy may raise: the sandbox is closed anyway
+        while True:
+            got = policy(list(ids))
+            new, lp = (list(got[0]), list(got[1])) if isinstance(got, tuple) else (list(got), None)
+            assert lp is None or len(lp) == len(new), "the policy returned a different number of logprobs than ids"
+            end = next((i + 1 for i, t in enumerate(new) if t in stop_ids), None)
+            new, lp = new[:end], (lp or [0.0] * len(new))[:end]
+            ids, mask, logps = ids + new, mask + [True] * len(new), logps + lp
+            msg = chat.parse_reply(new, tok)
+            out["turns"] += 1
+            if end is None:
+                out["reason"] = "truncated: no stop token"
+                break
+            if new[-1] != obs_id:
+                msg.pop("tool_calls", None)  # it ended its turn: any tool call in it is not run
+            elif not msg.get("tool_calls"):
+                out["reason"] = "format: <|observation|> without a tool call"
+                break
+            try:  # a reply the template cannot render back (empty, non-JSON arguments, thinking when off) ends it
+                chat.render_text([{"role": "user", "content": ".", "thinking": thinking}, msg])
+            except (ValueError, RecursionError) as e:
+                out["reason"] = f"format: {e}"
+                break
+            try:
+                obs, reward, done, reason = env.step(msg)
+            except Exception as e:
+                out |= {"reason": f"env crashed: {type(e).__name__}: {e}", "crashed": True}
+                break
+            messages.append(msg)
+            out["reward"], out["reason"] = reward, reason
+            if done:
+                break
+            messages += [{"role": "observation", "content": o} for o in obs]
+            if len(ids) > max_tokens:
+                out["reason"] = "context full"
+                break
+            folded = fold(messages, keep) if keep else messages
+            if folded != messages:  # the prefix changed: close this segment, start anew
+                out["segments"].append({"ids": ids, "mask": mask, "logprobs": logps})
+                messages = folded
+                ids = chat.render(messages, tok, add_generation_prompt=True, enable_thinking=thinking)[0]
+                mask, logps = [False] * len(ids), [0.0] * len(ids)
+            else:
+                env_ids = observation_ids(tok, obs, thinking)
+                ids, mask, logps = ids + env_ids, mask + [False] * len(env_ids), logps + [0.0] * len(env_ids)
+    finally:
+        env.close()
     out["segments"].append({"ids": ids, "mask": mask, "logprobs": logps})
     out["messages"] = messages
     return out
