@@ -542,12 +542,12 @@ def load_extra(path):
     convs = []
     for n, line in enumerate(raw.decode().splitlines(), 1):
         try:
-            conv = json.loads(line)
-            check_messages(conv["messages"])
-        except (ValueError, KeyError, TypeError) as e:
+            conv = {"kind": "extra", "preserve_thinking": False, **json.loads(line)}
+            render_text(conv["messages"], preserve_thinking=conv["preserve_thinking"])  # checks it renders
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise ValueError(f"{path} line {n} is not a conversation ({type(e).__name__}: {e}); each line is "
                              f'{{"messages": [...]}} in the chat message format') from None
-        convs.append({"kind": "extra", "preserve_thinking": False, **conv})
+        convs.append(conv)
     return convs, hashlib.sha256(raw).hexdigest()[:16]
 
 
@@ -562,8 +562,9 @@ def prepare_sft(vocab_size=4096, out_dir="data/sft", seed=1337, val_fraction=dat
     assert tok.vocab_size <= 2**16, "uint16 ids need vocab_size <= 65536"
     train, val = data.split_files(files, val_fraction)
     extra_convs, extra_hash = load_extra(extra) if extra else ([], None)
-    keys = {f"{extra_hash}:{i}": conv for i, conv in enumerate(extra_convs)}  # split by line as files are by path
-    extra_train, extra_val = data.split_files(list(keys), val_fraction)
+    # each extra conversation is keyed by its own content, so adding lines never moves the others between splits
+    keys = {"extra:" + hashlib.sha256(json.dumps(c, sort_keys=True).encode()).hexdigest()[:16]: c for c in extra_convs}
+    extra_train, extra_val = data.split_files([k for k in keys], val_fraction)
     want = {"vocab_size": tok.vocab_size, "tokenizer_hash": tok.hash, "listing_hash": data.listing_hash(root, files),
             "seed": seed, "val_fraction": val_fraction, "template_hash": TEMPLATE_HASH, "extra_hash": extra_hash}
     meta_path = os.path.join(out_dir, "meta.json")

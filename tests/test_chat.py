@@ -383,10 +383,15 @@ def test_prepare_sft_mixes_in_env_conversations(tok, sft_files, tmp_path):
     rendered = [chat.render(c["messages"], tok, preserve_thinking=True) for c in convs]
     assert sum(meta["trained_tokens"].values()) == sum(base["trained_tokens"].values()) + sum(sum(m) for _, m in rendered)
     ids = chat.SFTLoader(str(tmp_path / "b")).splits["train"][0].tolist()
-    h = chat.load_extra(str(path))[1]
-    extra_train = data.split_files([f"{h}:{j}" for j in range(6)], 0.3)[0]  # split by line, as prepare_sft does
-    first_train = [r for i, r in enumerate(rendered) if f"{h}:{i}" in extra_train][0]
-    assert any(ids[k:k + len(first_train[0])] == first_train[0] for k in range(len(ids)))
+    val_ids = chat.SFTLoader(str(tmp_path / "b")).splits["val"][0].tolist()
+    within = lambda seq, stream: any(stream[k:k + len(seq)] == seq for k in range(len(stream) - len(seq) + 1))
+    assert all(within(i, ids) != within(i, val_ids) for i, _ in rendered)  # each lands in exactly one split
+    # adding a conversation moves none of the others between train and val
+    path.write_text("".join(json.dumps(c) + "\n" for c in envs.sft_conversations("math", 1, seed=9) + convs))
+    chat.prepare_sft(out_dir=str(tmp_path / "d"), files=sft_files, tokenizer=tok, val_fraction=0.3, verbose=False,
+                     extra=str(path))
+    ids2 = chat.SFTLoader(str(tmp_path / "d")).splits["train"][0].tolist()
+    assert all(within(i, ids) == within(i, ids2) for i, _ in rendered)
     path.write_text(json.dumps(convs[0]) + "\n" + json.dumps({"messages": [{"role": "wizard", "content": "x"}]}) + "\n")
     with pytest.raises(ValueError, match="line 2"):
         chat.prepare_sft(out_dir=str(tmp_path / "c"), files=sft_files, tokenizer=tok, verbose=False, extra=str(path))
