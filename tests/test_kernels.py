@@ -12,6 +12,7 @@ kernel writes), so an element a kernel forgets to write fails the comparison.
 
 import contextlib
 import os
+import re
 import subprocess
 import sys
 
@@ -41,9 +42,12 @@ def test_kernels_under_the_interpreter():
     if INTERPRETED:
         pytest.skip("this is the interpreter run")
     env = dict(os.environ, TRITON_INTERPRET="1", NANOGLM_KERNELS="triton")
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(__file__)],
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", os.path.abspath(__file__)],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0 and " passed" in r.stdout, r.stdout[-6000:] + r.stderr[-2000:]
+    passed = re.search(r"(\d+) passed", r.stdout)
+    # every kernel case must have run there: a child that skipped them all would otherwise pass too
+    assert r.returncode == 0 and passed and int(passed.group(1)) >= 12, r.stdout[-6000:] + r.stderr[-2000:]
+    assert "no Triton device in this process" not in r.stdout, r.stdout[-6000:]
 
 
 @pytest.fixture(params=CASES or [pytest.param(None, marks=pytest.mark.skip("no Triton device in this process"))],
