@@ -47,23 +47,23 @@ import torch
 import data
 import model
 import muon
+import train
 from bench_train import describe_machine
 from train import pick_device, sync
 from tokenizer import get_tokenizer
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-# the pieces of train.py's objective and schedule (its defaults), fixed for every optimizer
-MTP_WEIGHT_EARLY, MTP_WEIGHT_LATE = 0.3, 0.1  # switch at half the run
-BALANCE_WEIGHT = 1e-4
-BIAS_UPDATE_RATE = 1e-3
-GRAD_CLIP = 1.0
-WEIGHT_DECAY = 0.1
-WARMUP, DECAY_FRAC, MIN_LR_FRAC = 10, 0.2, 0.1  # warmup-stable-decay
+# train.py's objective and WSD schedule, read from its defaults (not copied), fixed for every optimizer
+MTP_WEIGHT_EARLY, MTP_WEIGHT_LATE = train.mtp_weight_early, train.mtp_weight_late  # switch at half the run
+BALANCE_WEIGHT, BIAS_UPDATE_RATE = train.balance_weight, train.bias_update_rate
+GRAD_CLIP, WEIGHT_DECAY = train.grad_clip, train.weight_decay
+WARMUP, DECAY_FRAC, MIN_LR_FRAC = train.warmup_iters, train.decay_frac, train.min_lr_frac
 
 
 def lr_mult(step, steps):
-    """Warmup for WARMUP steps, flat, then a linear decay to MIN_LR_FRAC over the last DECAY_FRAC."""
+    """train.lr_mult's WSD for a run of `steps`, except that warmup is at most a tenth of the run (a --quick
+    run of 20 steps warms up for 2)."""
     warmup = min(WARMUP, max(1, steps // 10))
     if step < warmup:
         return (step + 1) / warmup
