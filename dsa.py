@@ -69,8 +69,13 @@ class Indexer(nn.Module):
 
     def score(self, q, w, k_all):
         """q (B, T, Hi, Di), w (B, T, Hi), k_all (B, S, Di) -> I (B, T, S) in fp32."""
-        dots = torch.einsum("bthd,bsd->bths", q, upcast(k_all).to(q.dtype)) * self.softmax_scale  # (B, T, Hi, S)
-        return torch.einsum("bths,bth->bts", F.relu(dots), w)
+        return index_scores(q, w, k_all, self.softmax_scale)
+
+
+def index_scores(q, w, k_all, softmax_scale):
+    """The lightning indexer: I[t, s] = sum_j w[t, j] ReLU(q[t, j] . k[s] * scale) (also kernels.py's reference)."""
+    dots = torch.einsum("bthd,bsd->bths", q, upcast(k_all).to(q.dtype)) * softmax_scale  # (B, T, Hi, S)
+    return torch.einsum("bths,bth->bts", F.relu(dots), w)
 
 
 # -----------------------------------------------------------------------------

@@ -105,9 +105,8 @@ LOG2E = 1.4426950408889634  # the kernels' softmax uses exp2: exp(x) = exp2(x * 
 
 
 def index_scores_ref(q, w, k, last, softmax_scale):
-    """dsa.Indexer.score's math, then the causal mask as -inf: -> I (B, T, S) fp32."""
-    dots = torch.einsum("bthd,bsd->bths", q, upcast(k).to(q.dtype)) * softmax_scale  # (B, T, Hi, S)
-    I = torch.einsum("bths,bth->bts", F.relu(dots), w)
+    """dsa.index_scores, then the causal mask as -inf: -> I (B, T, S) fp32."""
+    I = dsa.index_scores(q, w, k, softmax_scale)
     visible = torch.arange(k.shape[1], device=k.device) <= last[..., None]  # (B, T, S)
     return I.masked_fill(~visible, float("-inf"))
 
