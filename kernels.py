@@ -50,7 +50,6 @@ import torch
 import torch.nn.functional as F
 
 import dsa
-from dsa import upcast
 
 # -----------------------------------------------------------------------------
 # The switch and the one dispatch rule
