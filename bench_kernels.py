@@ -20,8 +20,8 @@ Run it:
 Without a GPU (and without --interpret) it says so and exits 0.
 
 Honest limits: one run, mean times from triton.testing.do_bench (L2 flushed between runs); random top-k
-positions and uniform random routing, not a trained model's; the sparse MLA training row pairs the Triton
-forward with the reference's recomputed backward (there is no backward kernel), so it shows that cost.
+positions and uniform random routing, not a trained model's. The sparse MLA training rows compare forward +
+backward (Triton's backward kernel vs the reference's autograd) in time and in peak memory above the inputs.
 """
 
 import argparse
@@ -156,7 +156,7 @@ def bench_sparse_mla(H, C, R, topk, S_list, cases, train_T):
                 lambda: kernels.sparse_mla_ref(q_abs, q_pe, latent, idx, valid, scale),
                 lambda: kernels.sparse_mla(q_abs, q_pe, latent, idx, valid, scale), flops, nbytes)
             del q_abs, q_pe, latent, idx, valid
-    # training: forward + backward; the kernel path's backward is the reference's, recomputed
+    # training: forward + backward, each side's own autograd (the kernel path: sparse_mla_bwd_kernel)
     B, T, S = 1, train_T, S_list[0]
     leaves = [randn(*s).requires_grad_() for s in ((B, T, H, C), (B, T, H, R), (B, S, C + R))]
     idx = torch.sort(torch.randint(0, S, (B, T, topk), device=DEV), dim=-1).values
@@ -165,11 +165,29 @@ def bench_sparse_mla(H, C, R, topk, S_list, cases, train_T):
 
     def fwd_bwd(fn):
         o, _ = fn(*leaves, idx, valid, scale)
-        return torch.autograd.grad(o, leaves, g)
+        return torch.cat([d.flatten() for d in torch.autograd.grad(o, leaves, g)])  # err covers every gradient
 
-    flops = 3 * B * T * H * topk * 2 * (2 * C + R)
-    row("sparse MLA fwd+bwd", f"B={B} T={T} S={S} H={H} k={topk}", lambda: fwd_bwd(kernels.sparse_mla_ref),
-        lambda: fwd_bwd(kernels.sparse_mla), flops, 3 * B * T * topk * (C + R) * 2)
+    flops = 3.5 * B * T * H * topk * 2 * (2 * C + R)  # forward 1x, backward 2.5x (the scores are recomputed)
+    shape = f"B={B} T={T} S={S} H={H} k={topk}"
+    row("sparse MLA fwd+bwd", shape, lambda: fwd_bwd(kernels.sparse_mla_ref), lambda: fwd_bwd(kernels.sparse_mla),
+        flops, 3 * B * T * topk * (C + R) * leaves[2].element_size())
+    with torch.no_grad():  # the sparse stage's KL target, from the forward's lse
+        q_abs, q_pe, latent = leaves
+        _, lse = kernels.sparse_mla(q_abs, q_pe, latent, idx, valid, scale)
+        row("sparse MLA KL target", shape, lambda: kernels.sparse_mla_target_ref(q_abs, q_pe, latent, idx, valid, lse, scale),
+            lambda: kernels.sparse_mla_target(q_abs, q_pe, latent, idx, valid, lse, scale),
+            B * T * H * topk * 2 * (C + R), B * T * topk * ((C + R) * latent.element_size() + 4))
+    if DEV == "cuda":  # the memory side of the claim: the reference keeps the (B, T, K, C + R) gather for backward
+        mib = {}
+        for name, fn in (("ref", kernels.sparse_mla_ref), ("triton", kernels.sparse_mla)):
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            fwd_bwd(fn)
+            torch.cuda.synchronize()
+            mib[name] = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
+        print(f"{'sparse MLA fwd+bwd mem':24s} {shape:44s} ref {mib['ref']:9.1f} MiB  triton {mib['triton']:9.1f} MiB  "
+              f"x{mib['ref'] / mib['triton']:6.2f} less peak memory above the inputs", flush=True)
 
 
 def bench_moe(E, D, F_, k, token_counts):

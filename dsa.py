@@ -16,8 +16,8 @@ one rule kernels.use_triton decides; NANOGLM_KERNELS=torch keeps the torch code 
 
 Honest limits: these are plain torch reference paths. The index score passes through a
 (B, T, index_n_heads, S) fp32 intermediate and the gather is (B, T, K, 576), so memory grows with
-T*S*index_n_heads; kernels.py avoids both, except in the indexer KL stages, which keep this torch path
-(they need its probabilities and gradients). Run its tests with `python -m pytest tests/test_dsa.py`.
+T*S*index_n_heads; kernels.py avoids both. In the sparse stage on a GPU, the KL reads kernels.py's target and
+selected_index_scores below (the indexer at the K selected keys only); the dense warm-up keeps this torch path. Run its tests with `python -m pytest tests/test_dsa.py`.
 """
 
 import torch
@@ -76,6 +76,14 @@ def index_scores(q, w, k_all, softmax_scale):
     """The lightning indexer: I[t, s] = sum_j w[t, j] ReLU(q[t, j] . k[s] * scale) (also kernels.py's reference)."""
     dots = torch.einsum("bthd,bsd->bths", q, upcast(k_all).to(q.dtype)) * softmax_scale  # (B, T, Hi, S)
     return torch.einsum("bths,bth->bts", F.relu(dots), w)
+
+
+def selected_index_scores(q, w, k_all, idx, softmax_scale):
+    """index_scores at the selected keys only -> (B, T, K) fp32, equal to index_scores(...).gather(-1, idx):
+    all the sparse stage's KL needs, without the (B, T, Hi, S) intermediate (model.py's kernel path)."""
+    k_sel = k_all[torch.arange(k_all.shape[0], device=idx.device)[:, None, None], idx]  # (B, T, K, Di)
+    dots = torch.einsum("bthd,btkd->bthk", q, upcast(k_sel).to(q.dtype)) * softmax_scale  # (B, T, Hi, K)
+    return torch.einsum("bthk,bth->btk", F.relu(dots), w)
 
 
 # -----------------------------------------------------------------------------

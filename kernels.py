@@ -7,7 +7,11 @@ lightning indexer and sparse MLA; SPEC sections 3, 4, 5 and 10):
                                causal mask -> -inf, for a block of queries against the cached index keys;
                                then a deterministic top-k (dsa.topk_select: ties go to the lower position)
     sparse_mla                 MLA in the absorbed form over each query's top-k gathered latents [c_kv | k_pe],
-                               online softmax; returns o_lat and the log-sum-exp; prefill and decode shapes
+                               online softmax; returns o_lat and the log-sum-exp; prefill and decode shapes;
+                               a backward kernel (FlashAttention-2 style, scores recomputed, row gradients
+                               added into the latent with fp32 atomics)
+    sparse_mla_target          the sparse-stage indexer KL's target from the lse: the main attention's
+                               probabilities over the selection, summed over heads, normalised
     moe_experts                routed experts over tokens grouped by expert: one launch for every expert's
                                SwiGLU gate/up, one for every expert's down projection (empty experts are free)
     w4a8_linear                INT4 weights (two per byte, per-channel or per-group scales) x INT8 per-token
@@ -18,8 +22,9 @@ One switch, one rule (use_triton below), set by the environment variable NANOGLM
     torch   the torch reference everywhere (the switch to compare against, on a GPU too)
     triton  Triton everywhere; on a machine without CUDA that is Triton's CPU interpreter
             (TRITON_INTERPRET=1, which this file sets before defining the kernels): slow, for tests
-model.py calls index_topk and sparse_mla from MLA.forward's gathered DSA path; the other kernels are called
-by their users directly (the MoE module keeps one nn.Module per expert, the checkpoint's layout).
+model.py calls index_topk, sparse_mla and (in the sparse training stage) sparse_mla_target from MLA.forward's
+gathered DSA path, so on a GPU that stage trains through these kernels; the other kernels are called by their
+users directly (the MoE module keeps one nn.Module per expert, the checkpoint's layout).
 
 Run:
     python -m pytest -q tests/test_kernels.py   # every kernel vs its reference, interpreter on CPU; GPU if any
@@ -35,8 +40,11 @@ Honest limits:
 - The index kernel does its dot products in the key cache's dtype, the reference in fp32: with a bf16 cache
   the scores differ at ~1e-2 relative, so near-tied keys can swap in the top-k. An fp32 cache gets exact
   fp32 dots (input_precision="ieee", no tensor cores: slow, meant for tests). Elsewhere fp32 dots on a GPU are tf32.
-- sparse_mla's backward is the torch reference's autograd, recomputed (no backward kernel): it
-  re-materialises the (B, T, K, 576) gather. The indexer KL stages keep dsa.py's torch path outright.
+- sparse_mla's backward adds each selected row's gradient into d_latent with fp32 atomics, so the order of
+  those sums (and the last bits of d_latent) varies from run to run on a GPU; dq is deterministic. It keeps
+  one (B, T, H, C) output and the lse for backward, not the (B, T, K, 576) gather the reference's autograd keeps.
+- In the sparse stage the indexer's KL input, I at the selected keys, is plain torch (dsa.selected_index_scores,
+  a (B, T, K, 128) gather); the dense warm-up's KL needs dense attention's probabilities and keeps dsa.py's path.
 - moe_experts wants the experts' weights stacked (stack_experts); the model keeps per-expert modules
   and does not call it. W4A8 covers the MoE experts' format only (not W8A8 attention, not QuaRot).
 - The activation quantizer rounds half up (floor(v + 0.5)), in the reference too, so both agree exactly.
@@ -246,25 +254,84 @@ def sparse_mla_fwd(q_abs, q_pe, latent, idx, valid, softmax_scale, num_splits=No
     return o.view(B, T, H, C), lse.view(B, T, H)
 
 
+@triton.jit
+def sparse_mla_bwd_kernel(QA, QP, LAT, IDX, VALID, DO, LSE, DELTA, DQA, DQP, DLAT, T, H, K, C, R, scale, scale_log2,
+                          sl_b, sl_s, sd_b, sd_s,
+                          BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr):
+    # one program: one query token (b, t) and BLOCK_H of its heads, over all K of its selected keys.
+    # With s = scale * (q_abs . c_kv + q_pe . k_pe), p = exp(s - lse) and delta = rowsum(dO * o) - dlse:
+    #   dp = dO . c_kv,  ds = p * (dp - delta)                    (FlashAttention-2's backward, plus the lse term)
+    #   dq_abs = scale * ds @ c_kv,  dq_pe = scale * ds @ k_pe
+    #   dc_kv = p^T @ dO + scale * ds^T @ q_abs,  dk_pe = scale * ds^T @ q_pe   -> added into the gathered rows
+    # Many queries select the same latent row, so the row gradients go in with fp32 atomic adds (in no fixed order).
+    bt = tl.program_id(0).to(tl.int64)
+    b = bt // T
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    c, r = tl.arange(0, BLOCK_C), tl.arange(0, BLOCK_R)
+    hc, hr = (h[:, None] < H) & (c[None, :] < C), (h[:, None] < H) & (r[None, :] < R)
+    q_abs = tl.load(QA + (bt * H + h[:, None]) * C + c[None, :], mask=hc, other=0.0)  # (BLOCK_H, BLOCK_C)
+    q_pe = tl.load(QP + (bt * H + h[:, None]) * R + r[None, :], mask=hr, other=0.0)  # (BLOCK_H, BLOCK_R)
+    d_o = tl.load(DO + (bt * H + h[:, None]) * C + c[None, :], mask=hc, other=0.0)  # (BLOCK_H, BLOCK_C)
+    lse2 = tl.load(LSE + bt * H + h, mask=h < H, other=0.0) * 1.4426950408889634  # log2 units, like the forward
+    delta = tl.load(DELTA + bt * H + h, mask=h < H, other=0.0)  # (BLOCK_H,) fp32
+    dq_abs = tl.zeros((BLOCK_H, BLOCK_C), tl.float32)
+    dq_pe = tl.zeros((BLOCK_H, BLOCK_R), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        ok = tl.load(VALID + bt * K + kk, mask=kk < K, other=0) != 0  # (BLOCK_K,)
+        pos = tl.load(IDX + bt * K + kk, mask=ok, other=0).to(tl.int64)
+        row = LAT + b * sl_b + pos * sl_s  # (BLOCK_K,) pointers to the latent rows
+        c_kv = tl.load(row[:, None] + c[None, :], mask=ok[:, None] & (c[None, :] < C), other=0.0)  # (BLOCK_K, BLOCK_C)
+        k_pe = tl.load(row[:, None] + C + r[None, :], mask=ok[:, None] & (r[None, :] < R), other=0.0)  # (BLOCK_K, BLOCK_R)
+        s = tl.dot(q_abs, tl.trans(c_kv)) + tl.dot(q_pe, tl.trans(k_pe))  # (BLOCK_H, BLOCK_K) fp32, unscaled
+        # p as the forward left it; where(), not a multiply, so that exp2(+inf) of a masked slot never enters
+        p = tl.where(ok[None, :] & (h[:, None] < H), tl.exp2(s * scale_log2 - lse2[:, None]), 0.0)
+        dp = tl.dot(d_o, tl.trans(c_kv))  # (BLOCK_H, BLOCK_K)
+        ds = p * (dp - delta[:, None]) * scale  # gradient of the unscaled dot products
+        dq_abs += tl.dot(ds.to(c_kv.dtype), c_kv)
+        dq_pe += tl.dot(ds.to(k_pe.dtype), k_pe)
+        d_c = tl.dot(tl.trans(p.to(d_o.dtype)), d_o) + tl.dot(tl.trans(ds.to(q_abs.dtype)), q_abs)  # (BLOCK_K, BLOCK_C)
+        d_pe = tl.dot(tl.trans(ds.to(q_pe.dtype)), q_pe)  # (BLOCK_K, BLOCK_R)
+        d_row = DLAT + b * sd_b + pos * sd_s
+        tl.atomic_add(d_row[:, None] + c[None, :], d_c, mask=ok[:, None] & (c[None, :] < C))
+        tl.atomic_add(d_row[:, None] + C + r[None, :], d_pe, mask=ok[:, None] & (r[None, :] < R))
+    tl.store(DQA + (bt * H + h[:, None]) * C + c[None, :], dq_abs.to(DQA.dtype.element_ty), mask=hc)
+    tl.store(DQP + (bt * H + h[:, None]) * R + r[None, :], dq_pe.to(DQP.dtype.element_ty), mask=hr)
+
+
+def sparse_mla_bwd(q_abs, q_pe, latent, idx, valid, o, lse, d_o, d_lse, softmax_scale, block_h=16, block_k=16):
+    """Gradients of sparse_mla_fwd's (o, lse) -> d_q_abs, d_q_pe, d_latent (each in its input's dtype)."""
+    B, T, H, C = q_abs.shape
+    R, K = q_pe.shape[-1], idx.shape[-1]
+    q_abs, q_pe, idx, d_o = q_abs.contiguous(), q_pe.contiguous(), idx.contiguous(), d_o.contiguous()
+    valid = valid.contiguous().view(torch.uint8)
+    delta = (d_o.float() * o.float()).sum(-1) - d_lse.float()  # (B, T, H): softmax's rowsum(dO * o), less dlse
+    d_q_abs, d_q_pe = torch.empty_like(q_abs), torch.empty_like(q_pe)
+    d_lat = torch.zeros(latent.shape, device=latent.device, dtype=torch.float32)  # (B, S, C + R), atomics add here
+    sparse_mla_bwd_kernel[(B * T, cdiv(H, block_h))](
+        q_abs, q_pe, latent, idx, valid, d_o, lse.contiguous(), delta.contiguous(), d_q_abs, d_q_pe, d_lat,
+        T, H, K, C, R, softmax_scale, softmax_scale * LOG2E, latent.stride(0), latent.stride(1),
+        d_lat.stride(0), d_lat.stride(1),
+        BLOCK_H=block_h, BLOCK_K=block_k, BLOCK_C=pow2(C), BLOCK_R=pow2(R), num_warps=8, num_stages=1)
+    return d_q_abs, d_q_pe, d_lat.to(latent.dtype)
+
+
 class SparseMLA(torch.autograd.Function):
-    """The Triton forward; the backward recomputes the torch reference and differentiates that
-    (no backward kernel: correct gradients at the reference's memory and speed)."""
+    """Triton forward and backward. The forward's (o, lse) are saved instead of the probabilities, and the
+    backward recomputes each score from the gathered rows: no (B, T, H, K) or (B, T, K, C + R) tensor is kept."""
 
     @staticmethod
     def forward(ctx, q_abs, q_pe, latent, idx, valid, softmax_scale, num_splits):
-        ctx.save_for_backward(q_abs, q_pe, latent, idx, valid)
+        o, lse = sparse_mla_fwd(q_abs, q_pe, latent, idx, valid, softmax_scale, num_splits)
+        ctx.save_for_backward(q_abs, q_pe, latent, idx, valid, o, lse)
         ctx.softmax_scale = softmax_scale
-        return sparse_mla_fwd(q_abs, q_pe, latent, idx, valid, softmax_scale, num_splits)
+        return o, lse
 
     @staticmethod
     def backward(ctx, d_o, d_lse):
-        q_abs, q_pe, latent, idx, valid = ctx.saved_tensors
-        inputs = [t.detach().requires_grad_(need) for t, need in zip((q_abs, q_pe, latent), ctx.needs_input_grad)]
-        with torch.enable_grad():
-            o, lse = sparse_mla_ref(*inputs, idx, valid, ctx.softmax_scale)
-            wrt = [t for t in inputs if t.requires_grad]
-            grads = iter(torch.autograd.grad((o, lse), wrt, (d_o, d_lse), allow_unused=True))
-        return tuple(next(grads) if t.requires_grad else None for t in inputs) + (None,) * 4
+        q_abs, q_pe, latent, idx, valid, o, lse = ctx.saved_tensors
+        grads = sparse_mla_bwd(q_abs, q_pe, latent, idx, valid, o, lse, d_o, d_lse, ctx.softmax_scale)
+        return tuple(g if need else None for g, need in zip(grads, ctx.needs_input_grad)) + (None,) * 4
 
 
 def sparse_mla(q_abs, q_pe, latent, idx, valid, softmax_scale, num_splits=None):
@@ -273,6 +340,55 @@ def sparse_mla(q_abs, q_pe, latent, idx, valid, softmax_scale, num_splits=None):
     if not use_triton(q_abs):
         return sparse_mla_ref(q_abs, q_pe, latent, idx, valid, softmax_scale)
     return SparseMLA.apply(q_abs, q_pe, latent, idx, valid, softmax_scale, num_splits)
+
+
+def sparse_mla_target_ref(q_abs, q_pe, latent, idx, valid, lse, softmax_scale):
+    """dsa.attention_target of sparse_mla's probabilities, rebuilt from its lse -> p (B, T, K) fp32, detached."""
+    scores, _ = dsa.sparse_scores(q_abs.detach(), q_pe.detach(), latent.detach(), idx, valid, softmax_scale)
+    return dsa.attention_target(torch.exp(scores - lse.detach()[..., None]), 2)
+
+
+@triton.jit
+def sparse_mla_target_kernel(QA, QP, LAT, IDX, VALID, LSE, P, T, H, K, C, R, scale_log2, sl_b, sl_s,
+                             BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr):
+    # one program: one query token and BLOCK_K of its selected keys, loaded once; the heads are looped over
+    # and their probabilities exp(s - lse) summed, so the (H, K) probabilities are never stored
+    bt = tl.program_id(0).to(tl.int64)
+    b = bt // T
+    kk = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    c, r = tl.arange(0, BLOCK_C), tl.arange(0, BLOCK_R)
+    ok = tl.load(VALID + bt * K + kk, mask=kk < K, other=0) != 0  # (BLOCK_K,)
+    row = LAT + b * sl_b + tl.load(IDX + bt * K + kk, mask=ok, other=0).to(tl.int64) * sl_s
+    c_kv = tl.load(row[:, None] + c[None, :], mask=ok[:, None] & (c[None, :] < C), other=0.0)  # (BLOCK_K, BLOCK_C)
+    k_pe = tl.load(row[:, None] + C + r[None, :], mask=ok[:, None] & (r[None, :] < R), other=0.0)  # (BLOCK_K, BLOCK_R)
+    total = tl.zeros((BLOCK_K,), tl.float32)
+    for h0 in range(0, H, BLOCK_H):
+        h = h0 + tl.arange(0, BLOCK_H)
+        q_abs = tl.load(QA + (bt * H + h[:, None]) * C + c[None, :], mask=(h[:, None] < H) & (c[None, :] < C), other=0.0)
+        q_pe = tl.load(QP + (bt * H + h[:, None]) * R + r[None, :], mask=(h[:, None] < H) & (r[None, :] < R), other=0.0)
+        lse2 = tl.load(LSE + bt * H + h, mask=h < H, other=0.0) * 1.4426950408889634
+        s = tl.dot(q_abs, tl.trans(c_kv)) + tl.dot(q_pe, tl.trans(k_pe))  # (BLOCK_H, BLOCK_K)
+        p = tl.where(ok[None, :] & (h[:, None] < H), tl.exp2(s * scale_log2 - lse2[:, None]), 0.0)
+        total += tl.sum(p, axis=0)
+    # each head's probabilities sum to 1, so attention_target's L1 normalisation is a division by H
+    tl.store(P + bt * K + kk, total / H, mask=kk < K)
+
+
+def sparse_mla_target(q_abs, q_pe, latent, idx, valid, lse, softmax_scale, block_h=16, block_k=32):
+    """The sparse-stage indexer KL's target from sparse_mla's lse: the main attention's probabilities over the
+    selection, summed over heads and L1-normalised -> p (B, T, K) fp32, detached (dsa.attention_target)."""
+    if not use_triton(q_abs):
+        return sparse_mla_target_ref(q_abs, q_pe, latent, idx, valid, lse, softmax_scale)
+    B, T, H, C = q_abs.shape
+    R, K = q_pe.shape[-1], idx.shape[-1]
+    assert latent.stride(-1) == 1, "the latent cache must be contiguous in its last dim"
+    p = torch.empty(B, T, K, device=q_abs.device, dtype=torch.float32)
+    sparse_mla_target_kernel[(B * T, cdiv(K, block_k))](
+        q_abs.detach().contiguous(), q_pe.detach().contiguous(), latent.detach(), idx.contiguous(),
+        valid.contiguous().view(torch.uint8), lse.detach().contiguous(), p, T, H, K, C, R, softmax_scale * LOG2E,
+        latent.stride(0), latent.stride(1),
+        BLOCK_H=block_h, BLOCK_K=block_k, BLOCK_C=pow2(C), BLOCK_R=pow2(R), num_warps=4, num_stages=1)
+    return p
 
 
 # -----------------------------------------------------------------------------

@@ -261,9 +261,9 @@ class MLA(nn.Module):
 
         # DSA: with no more visible tokens than index_topk, top-k keeps them all and sparse == dense
         use_selection = sparse and S > c.index_topk
-        # the gathered path runs as Triton kernels on a GPU (kernels.use_triton); the KL needs the torch path
-        fast = use_selection and dsa.IMPL == "gather" and not want_kl and kernels.use_triton(x)
-        I = self.indexer.score(iq, iw, index_k_all) if ((use_selection and not fast) or want_kl) else None  # (B, T, S)
+        # the gathered path runs as Triton kernels on a GPU (kernels.use_triton), its indexer KL included
+        fast = use_selection and dsa.IMPL == "gather" and kernels.use_triton(x)
+        I = self.indexer.score(iq, iw, index_k_all) if (use_selection or want_kl) and not fast else None  # (B, T, S)
         if fast:
             last = positions if cache is not None else torch.arange(T, device=x.device).expand(B, T)  # last visible key
             idx, valid = kernels.index_topk(iq, iw, index_k_all, last, c.index_topk, self.indexer.softmax_scale)
@@ -273,20 +273,21 @@ class MLA(nn.Module):
         if use_selection and dsa.IMPL == "gather":  # the real sparse path: absorbed form only
             w_uk, w_uv = self.w_uk_uv()
             q_abs = torch.einsum("bthd,hdc->bthc", q_nope, w_uk)  # (B, T, H, C)
-            if fast:
-                o_lat, _ = kernels.sparse_mla(q_abs, q_pe, latent_all, idx, valid, self.softmax_scale)
+            if fast:  # the KL target from the kernel's lse; the indexer scored at the selected keys only
+                o_lat, lse = kernels.sparse_mla(q_abs, q_pe, latent_all, idx, valid, self.softmax_scale)
+                kl = dsa.indexer_kl(kernels.sparse_mla_target(q_abs, q_pe, latent_all, idx, valid, lse, self.softmax_scale),
+                                    dsa.selected_index_scores(iq, iw, index_k_all, idx, self.indexer.softmax_scale),
+                                    valid) if want_kl else None
             else:
                 o_lat, probs = dsa.sparse_mla(q_abs, q_pe, latent_all, idx, valid, self.softmax_scale)
+                kl = dsa.indexer_kl(dsa.attention_target(probs, 2), I.gather(-1, idx), valid) if want_kl else None
             o = torch.einsum("bthc,hvc->bthv", o_lat, w_uv)  # (B, T, H, v)
-            if want_kl:
-                kl = dsa.indexer_kl(dsa.attention_target(probs, 2), I.gather(-1, idx), valid)
         else:  # dense attention, or the dense-masked reference of the same selection
             mask = dsa.selection_mask(idx, valid, S) if use_selection else visible
             form = form or ("absorb" if cache is not None else "naive")
             o, probs = self.attend(q_nope, q_pe, latent_all, mask, form, need_probs=want_kl)
-            if want_kl:
-                kl = dsa.indexer_kl(dsa.attention_target(probs, 1), I, mask.expand(B, T, S))
-        return self.o_proj(o.reshape(B, T, H * c.v_head_dim)), (kl if want_kl else None)
+            kl = dsa.indexer_kl(dsa.attention_target(probs, 1), I, mask.expand(B, T, S)) if want_kl else None
+        return self.o_proj(o.reshape(B, T, H * c.v_head_dim)), kl
 
     def attend(self, q_nope, q_pe, latent, mask, form, need_probs):
         """Dense MLA over `latent` (B, S, C + R) under `mask` (B or 1, T, S). Returns o (B, T, H, v)
@@ -771,7 +772,6 @@ def load_config_file(path):
 
 if __name__ == "__main__":
     import time
-
     if len(sys.argv) != 2:
         sys.exit("usage: python model.py configs/<name>.py")
     cfg, rest = load_config_file(sys.argv[1])

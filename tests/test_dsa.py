@@ -50,6 +50,18 @@ def test_selection_is_deterministic_under_ties():
     assert idx[0, 0].tolist() == list(range(k))
 
 
+def test_selected_index_scores_are_the_full_scores_gathered():
+    B, T, S, Hi, Di, k = 2, 6, 30, 3, 16, 9
+    q, w, keys = torch.randn(B, T, Hi, Di, dtype=torch.float64), torch.randn(B, T, Hi, dtype=torch.float64), torch.randn(B, S, Di)
+    q.requires_grad_()
+    idx, _ = dsa.topk_select(torch.randn(B, T, S), torch.ones(1, 1, S, dtype=torch.bool), k)
+    full = dsa.index_scores(q, w, keys, 0.25).gather(-1, idx)  # (B, T, k)
+    sel = dsa.selected_index_scores(q, w, keys, idx, 0.25)
+    assert sel.shape == (B, T, k) and torch.allclose(sel, full, rtol=1e-12, atol=1e-12)
+    g = torch.randn(B, T, k, dtype=torch.float64)
+    assert torch.allclose(torch.autograd.grad(sel, q, g)[0], torch.autograd.grad(full, q, g)[0], rtol=1e-12, atol=1e-12)
+
+
 def test_sparse_attention_with_every_key_selected_equals_dense():
     """With index_topk >= length the selection is everything visible, and gathered sparse MLA is dense MLA."""
     m = f64_model()

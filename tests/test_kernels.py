@@ -136,18 +136,47 @@ def test_sparse_mla(case, B, T, num_splits):
     assert rel_err(o, ref_o) < tol and rel_err(lse, ref_lse) < tol
 
 
-def test_sparse_mla_gradient_is_the_references(case):
+@pytest.mark.parametrize("B, T, H, Ksel", [(2, 6, 19, 37), (3, 1, 4, 5)])  # ragged heads and key blocks; decode
+def test_sparse_mla_backward_kernel_is_the_references_gradient(case, B, T, H, Ksel):
     K, dev, dtype, tol = case
-    B, T, H, C, R, S, Ksel = 2, 3, 4, 16, 8, 12, 6
+    C, R, S = 20, 8, 40
     leaves = [randn(*s, dev=dev, dtype=dtype).requires_grad_() for s in ((B, T, H, C), (B, T, H, R), (B, S, C + R))]
-    idx, valid = dsa.topk_select(torch.randn(B, T, S, device=dev), torch.ones(1, 1, S, dtype=torch.bool, device=dev), Ksel)
+    last = torch.randint(Ksel // 2, S, (B, T), device=dev)
+    last[0, 0] = 2  # 3 visible keys, Ksel slots: the rest invalid. Queries share most rows: the atomics add up
+    visible = torch.arange(S, device=dev) <= last[..., None]
+    idx, valid = dsa.topk_select(torch.randn(B, T, S, device=dev), visible, Ksel)
     g_o, g_lse = randn(B, T, H, C, dev=dev, dtype=dtype), randn(B, T, H, dev=dev)
     grads = []
     for fn in (K.sparse_mla, K.sparse_mla_ref):
-        o, lse = fn(*leaves, idx, valid, 0.25)
-        grads.append(torch.autograd.grad((o.float() * g_o).sum() + (lse * g_lse).sum(), leaves))
-    for a, b in zip(*grads):  # the backward is the reference's own autograd (on a GPU, atomics reorder sums)
-        assert rel_err(a, b) < (tol if dev == "cuda" else 1e-6)
+        x = leaves if fn is K.sparse_mla else [t.detach().double().requires_grad_() for t in leaves]
+        o, lse = fn(*x, idx, valid, 0.3)
+        loss = (o.double() * g_o.double()).sum() + (lse.double() * g_lse.double()).sum()
+        with poisoned():
+            grads.append(torch.autograd.grad(loss, x))
+    assert K.use_triton(leaves[0])
+    for got, ref in zip(*grads):
+        assert got.dtype == dtype
+        assert rel_err(got, ref) < (2 * tol if dtype == torch.float16 else tol)
+    chosen = torch.zeros(B, S, dtype=torch.bool, device=dev)
+    chosen[torch.arange(B, device=dev)[:, None, None].expand_as(idx)[valid], idx[valid]] = True
+    assert not chosen.all() and not grads[0][2][~chosen].any()  # a latent row no query selected gets exactly 0
+
+
+@pytest.mark.parametrize("B, T, H, Ksel", [(2, 5, 19, 37), (3, 1, 4, 5)])
+def test_sparse_mla_target_is_the_attention_target(case, B, T, H, Ksel):
+    """The sparse-stage KL target from the kernel's lse == dsa.attention_target of the reference's probabilities."""
+    K, dev, dtype, tol = case
+    C, R, S = 20, 8, 40
+    q_abs, q_pe, latent = (randn(*s, dev=dev, dtype=dtype) for s in ((B, T, H, C), (B, T, H, R), (B, S, C + R)))
+    last = torch.randint(Ksel // 2, S, (B, T), device=dev)
+    last[0, 0] = 2  # invalid slots get 0
+    idx, valid = dsa.topk_select(torch.randn(B, T, S, device=dev), torch.arange(S, device=dev) <= last[..., None], Ksel)
+    _, probs = dsa.sparse_mla(q_abs.double(), q_pe.double(), latent.double(), idx, valid, 0.3)
+    ref = dsa.attention_target(probs, 2)  # (B, T, K)
+    _, lse = K.sparse_mla(q_abs, q_pe, latent, idx, valid, 0.3)
+    with poisoned():
+        got = K.sparse_mla_target(q_abs, q_pe, latent, idx, valid, lse, 0.3)
+    assert got.dtype == torch.float32 and not got[~valid].any() and rel_err(got, ref) < tol
 
 
 # -----------------------------------------------------------------------------
@@ -245,7 +274,8 @@ def test_dispatch_rule(monkeypatch):
 
 def test_model_runs_the_kernels_in_its_sparse_path(case, monkeypatch):
     """The tiny model with selection on (index_topk < length): the kernel path gives the torch path's logits,
-    in a forward and in cached decoding, and the indexer KL stage keeps the torch path."""
+    in a forward and in cached decoding; and a sparse-stage training step (the loss with its indexer KL) gives
+    the torch path's losses and every parameter's gradient, through the backward and KL-target kernels."""
     K, dev, dtype, tol = case
     if dtype != torch.float32:
         pytest.skip("fp32 is enough: the kernels' dtypes are tested above")
@@ -256,23 +286,36 @@ def test_model_runs_the_kernels_in_its_sparse_path(case, monkeypatch):
         cache = model.KVCache(m.config, 2, 12, device=dev)
         return m(x), m(x[:, :7], cache=cache), m(x[:, 7:8], cache=cache, start_pos=7)
 
+    def train_step():
+        m.zero_grad()
+        _, losses = m(x, x, indexer_kl=True)
+        losses["loss"].backward()
+        return [losses[k].detach() for k in ("lm", "mtp", "indexer_kl")] + [p.grad.clone() for p in m.parameters()]
+
     calls = []
-    for name in ("index_topk", "sparse_mla"):
+    for name in ("index_topk", "sparse_mla", "sparse_mla_bwd", "sparse_mla_target"):
         real = getattr(K, name)
         monkeypatch.setattr(K, name, lambda *a, _real=real, _n=name, **kw: calls.append(_n) or _real(*a, **kw))
     mode = K.MODE
+    monkeypatch.setattr(K, "MODE", "torch")
     with torch.no_grad():
-        monkeypatch.setattr(K, "MODE", "torch")
         ref = run()
-        monkeypatch.setattr(K, "MODE", mode)
-        calls.clear()
+    ref_train = train_step()
+    monkeypatch.setattr(K, "MODE", mode)
+    calls.clear()
+    with torch.no_grad():
         got = run()
     n = 3 * m.config.num_hidden_layers  # 3 forwards, every layer selects (length > index_topk)
     assert calls.count("sparse_mla") == n and calls.count("index_topk") == n
     assert all((a - b).abs().max() < 10 * tol for a, b in zip(got, ref))
     calls.clear()
-    m(x, x, indexer_kl=True)  # the KL needs the torch path's probabilities and gradients
-    assert calls == []
+    got_train = train_step()
+    layers = m.config.num_hidden_layers + m.config.num_mtp_steps  # the MTP block's layer runs once per step
+    assert all(calls.count(f) == layers for f in ("sparse_mla", "sparse_mla_bwd", "sparse_mla_target")), calls
+    attn = [g for (n, _), g in zip(m.named_parameters(), ref_train[3:]) if "self_attn" in n]  # indexer's included
+    assert ref_train[2] > 0 and all(g.abs().sum() > 0 for g in attn)  # a KL, and attention gradients to compare
+    for a, b in zip(got_train, ref_train):
+        assert (a - b).abs().max() <= 1e-4 * b.abs().max().clamp_min(1e-3)
 
 
 def test_bench_says_it_needs_a_gpu():
