@@ -52,6 +52,7 @@ Honest limits:
   GLM-5 shapes), but the native GPU tests and bench_kernels.py had not yet been run when this was written.
 """
 
+import functools
 import os
 
 import torch
@@ -102,6 +103,15 @@ def pow2(n, least=16):
 
 def cdiv(a, b):
     return -(-a // b)
+
+
+def same_dtype(*ts):
+    """Cast to the one dtype tl.dot needs: autocast's when it is on (what torch's einsum would use), else the
+    widest. Under bf16 autocast the model's queries are bf16 but its normed latent is fp32."""
+    dev = ts[0].device.type
+    dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else functools.reduce(
+        torch.promote_types, [t.dtype for t in ts])
+    return tuple(t.to(dt) for t in ts)
 
 
 LOG2E = 1.4426950408889634  # the kernels' softmax uses exp2: exp(x) = exp2(x * log2(e))
@@ -339,7 +349,7 @@ def sparse_mla(q_abs, q_pe, latent, idx, valid, softmax_scale, num_splits=None):
     Differentiable. num_splits: pieces the K keys of each query are cut into (None: chosen for the GPU)."""
     if not use_triton(q_abs):
         return sparse_mla_ref(q_abs, q_pe, latent, idx, valid, softmax_scale)
-    return SparseMLA.apply(q_abs, q_pe, latent, idx, valid, softmax_scale, num_splits)
+    return SparseMLA.apply(*same_dtype(q_abs, q_pe, latent), idx, valid, softmax_scale, num_splits)
 
 
 def sparse_mla_target_ref(q_abs, q_pe, latent, idx, valid, lse, softmax_scale):
@@ -381,6 +391,7 @@ def sparse_mla_target(q_abs, q_pe, latent, idx, valid, lse, softmax_scale, block
         return sparse_mla_target_ref(q_abs, q_pe, latent, idx, valid, lse, softmax_scale)
     B, T, H, C = q_abs.shape
     R, K = q_pe.shape[-1], idx.shape[-1]
+    q_abs, q_pe, latent = same_dtype(q_abs, q_pe, latent)
     assert latent.stride(-1) == 1, "the latent cache must be contiguous in its last dim"
     p = torch.empty(B, T, K, device=q_abs.device, dtype=torch.float32)
     sparse_mla_target_kernel[(B * T, cdiv(K, block_k))](

@@ -318,6 +318,26 @@ def test_model_runs_the_kernels_in_its_sparse_path(case, monkeypatch):
         assert (a - b).abs().max() <= 1e-4 * b.abs().max().clamp_min(1e-3)
 
 
+def test_model_sparse_stage_under_autocast(case, monkeypatch):
+    """train.py trains under autocast, where the queries are half precision but the normed latent is fp32:
+    the kernels compute in autocast's dtype as torch would, and the step matches the torch path's."""
+    K, dev, dtype, tol = case
+    if dtype == torch.float32:
+        pytest.skip("autocast to a half-precision dtype")
+    m = randomize(model.GLM5(tiny_config(index_topk=4))).to(dev).train()
+    x = torch.randint(0, 97, (2, 9), device=dev)
+    mode, got = K.MODE, []
+    for kmode in ("torch", mode):
+        monkeypatch.setattr(K, "MODE", kmode)
+        m.zero_grad()
+        with torch.autocast(dev, dtype=dtype):
+            _, losses = m(x, x, indexer_kl=True)
+        losses["loss"].backward()
+        got.append([losses["lm"].detach(), losses["indexer_kl"].detach(), m.model.layers[1].self_attn.q_b_proj.weight.grad])
+    for a, b in zip(*got):
+        assert (a - b).abs().max() <= 2e-2 * b.abs().max()
+
+
 def test_bench_says_it_needs_a_gpu():
     if torch.cuda.is_available() or INTERPRETED:
         pytest.skip("a GPU is present: the benchmark would run for real" if not INTERPRETED else "tested in the parent run")
