@@ -31,6 +31,13 @@ def upcast(t):
     """Scores, softmax and norms run in fp32 at least (fp64 stays fp64, for exact reference tests)."""
     return t.to(torch.promote_types(t.dtype, torch.float32))
 
+
+def linear_fp32(x, weight):
+    """F.linear in fp32 at least, also under autocast (which would run it in bf16): the indexer's head
+    weights and the MoE router (SPEC 4, 5) are fp32 on purpose."""
+    with torch.autocast(x.device.type, enabled=False):
+        return F.linear(upcast(x), weight.to(upcast(x).dtype))
+
 # -----------------------------------------------------------------------------
 # The lightning indexer (checkpoint names: wq_b, wk, k_norm, weights_proj)
 
@@ -64,7 +71,7 @@ class Indexer(nn.Module):
         q = self.wq_b(q_lat).view(B, T, self.n_heads, self.head_dim)
         q = self._rope_first(q, rope)
         k = self._rope_first(self.k_norm(self.wk(x)).unsqueeze(2), rope).squeeze(2)  # (B, T, Di)
-        w = F.linear(upcast(x), upcast(self.weights_proj.weight)) * self.n_heads ** -0.5  # fp32 (SPEC 4)  # (B, T, Hi)
+        w = linear_fp32(x, self.weights_proj.weight) * self.n_heads ** -0.5  # fp32 (SPEC 4)  # (B, T, Hi)
         return upcast(q), k, w
 
     def score(self, q, w, k_all):

@@ -358,8 +358,8 @@ class Router(nn.Module):
     def forward(self, x):
         """x (N, D) -> expert ids (N, k), weights (N, k) and scores (N, E), both in fp32 or wider."""
         c = self.cfg
-        dt = torch.promote_types(x.dtype, torch.float32)  # fp32 router (fp64 when the whole model is)
-        scores = F.linear(x.to(dt), self.weight.to(dt)).sigmoid()
+        scores = dsa.linear_fp32(x, self.weight).sigmoid()  # fp32 router, under autocast too (fp64 in fp64 tests)
+        dt = scores.dtype
         ids = torch.topk(scores + self.e_score_correction_bias.to(dt), c.num_experts_per_tok, dim=-1).indices
         w = scores.gather(-1, ids)  # the bias picks the experts but does not weight them
         if c.norm_topk_prob:

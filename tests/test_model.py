@@ -267,3 +267,17 @@ def test_combine_experts_sums_in_fp32_and_returns_the_stream_dtype():
     slots[order] = out.float()
     assert y.dtype == torch.float32
     torch.testing.assert_close(y, (slots.view(N, k, D) * w[..., None]).sum(1))
+
+
+def test_router_and_indexer_weights_stay_fp32_under_autocast():
+    """train.py runs under bf16 autocast on a GPU, which would run every F.linear in bf16: the router's scores
+    and the indexer's head weights must stay fp32 (SPEC 4, 5) and equal the fp32 computation."""
+    m = randomize(model.GLM5(tiny_config()))
+    x = torch.randn(5, 48)
+    attn = m.model.layers[1].self_attn
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, w, scores = m.model.layers[1].mlp.gate(x)
+        _, _, iw = attn.indexer(x[None], torch.randn(1, 5, 24), lambda t: t)
+    assert scores.dtype == w.dtype == iw.dtype == torch.float32
+    torch.testing.assert_close(scores, F.linear(x, m.model.layers[1].mlp.gate.weight).sigmoid())
+    torch.testing.assert_close(iw[0], F.linear(x, attn.indexer.weights_proj.weight) * attn.indexer.n_heads ** -0.5)
