@@ -260,13 +260,17 @@ def parse_reply(ids, tok, stop=None):
 
 class ReplyStream:
     """Generated ids in, text out as it becomes whole characters: feed(ids) -> {"reasoning_content": ...,
-    "content": ...} (keys present only when they grew), split at <think> / </think> by token id, other special
-    tokens and `stop_ids` dropped. serve.py's streamed chat and terminal() use it."""
+    "content": ..., "tool_calls": [...]} (keys present only when they grew), split at <think> / </think> by
+    token id, other special tokens and `stop_ids` dropped. A tool call is held back until its </tool_call> (or
+    any other special token) and then sent whole, with its index, as OpenAI streams tool_calls; parse_reply
+    reads the same ids the same way. serve.py's streamed chat and terminal() use it."""
 
     def __init__(self, tok, stop_ids=()):
         self.tok, self.specials = tok, set(tok.special_tokens.values()) | set(stop_ids)
         self.think = {tok.special_tokens["<think>"]: True, tok.special_tokens["</think>"]: False}
+        self.call_open = tok.special_tokens["<tool_call>"]
         self.thinking, self.buf, self.sent = False, [], 0  # ids since the last special token, chars sent of them
+        self.in_call, self.calls = False, 0  # inside <tool_call>; calls sent so far
 
     def feed(self, ids):
         delta = {}
@@ -274,12 +278,19 @@ class ReplyStream:
             if t is not None and t not in self.specials:
                 self.buf.append(t)
                 continue
-            text = self.tok.decode(self.buf)[self.sent:]
-            if text and (t is not None or not text.endswith("\ufffd")):  # hold back a partial UTF-8 character
-                key = "reasoning_content" if self.thinking else "content"
-                delta[key], self.sent = delta.get(key, "") + text, self.sent + len(text)
+            if self.in_call and t is not None:  # the call is whole: name, newline, JSON arguments
+                name, _, args = self.tok.decode(self.buf).partition("\n")
+                delta.setdefault("tool_calls", []).append(
+                    {"index": self.calls, "type": "function", "function": {"name": name, "arguments": args}})
+                self.calls += 1
+            elif not self.in_call:
+                text = self.tok.decode(self.buf)[self.sent:]
+                if text and (t is not None or not text.endswith("\ufffd")):  # hold back a partial UTF-8 character
+                    key = "reasoning_content" if self.thinking else "content"
+                    delta[key], self.sent = delta.get(key, "") + text, self.sent + len(text)
             if t is not None:
                 self.buf, self.sent, self.thinking = [], 0, self.think.get(t, self.thinking)
+                self.in_call = t == self.call_open
         return delta
 
 
@@ -320,7 +331,8 @@ def terminal(engine, sp, thinking):
             for t in r.out[shown:]:  # one id at a time, so thinking and content never share a delta
                 d = split.feed([t])
                 dim = "\033[2m" + d["reasoning_content"] + "\033[0m" if d.get("reasoning_content") else ""
-                print(dim + d.get("content", ""), end="", flush=True)
+                calls = "".join(f"\n[tool call] {c['function']['name']} {c['function']['arguments']}" for c in d.get("tool_calls", []))
+                print(dim + d.get("content", "") + calls, end="", flush=True)
             shown = len(r.out)
         print("\033[0m")
         msgs.append(parse_reply(r.out, tok))

@@ -25,8 +25,8 @@ max_tokens are reserved at admission (no preemption); each step gathers every ro
 (B, S, 576) tensor per layer (a real engine reads pages inside the attention kernel); one process, one
 device. The MTP block's drafts 2..N reuse its cache slots at the next positions, an approximation that
 lowers the accept rate but never changes the output. "tools" are not rendered into the prompt; replies are
-parsed for chat.py's tool-call format (<tool_call>name\\n{json}</tool_call>) into tool_calls, but streamed
-chat sends a call's text as content, and a stop string there may already be partly streamed when it fires.
+parsed for chat.py's tool-call format (<tool_call>name\\n{json}</tool_call>) into tool_calls (streamed: each
+call whole, once complete). A stop string in streamed text may already be partly sent when it fires.
 """
 
 import argparse
@@ -693,10 +693,9 @@ class Handler(BaseHTTPRequestHandler):
         if path == "/v1/completions":
             choice["text"] = r.echo + r.text
         else:
-            msg = chat.parse_reply(r.out, self.server.engine.tok, stop=r.stop_str)
-            choice["message"] = msg
-            if msg.get("tool_calls") and r.finish == "stop":
-                choice["finish_reason"] = "tool_calls"
+            choice["message"] = msg = chat.parse_reply(r.out, self.server.engine.tok, stop=r.stop_str)
+            for i, call in enumerate(msg.get("tool_calls", [])):
+                call["id"], choice["finish_reason"] = f"call_{r.id}_{i}", "tool_calls" if r.finish == "stop" else r.finish
         out = {**self.header(r, path), "choices": [choice], "usage": self.usage(r)}
         if want_ids:
             out["prompt_token_ids"], choice["token_ids"] = r.prompt, r.out
@@ -729,7 +728,10 @@ class Handler(BaseHTTPRequestHandler):
                 delta = {"text": (r.echo if sent_tokens == 0 else "") + self.server.engine.pending_text(r)}
             else:
                 delta = {**({"role": "assistant"} if sent_tokens == 0 else {}), **split.feed(r.out[sent_tokens:hi])}
-            choice = {"index": 0, "finish_reason": r.finish if done else None,
+                for call in delta.get("tool_calls", []):  # each call whole, once, as in the non-streamed reply
+                    call["id"] = f"call_{r.id}_{call['index']}"
+            finish = "tool_calls" if split.calls and r.finish == "stop" else r.finish
+            choice = {"index": 0, "finish_reason": finish if done else None,
                       "logprobs": self.logprobs_obj(r, path, sent_tokens, hi)}
             choice["text" if path == "/v1/completions" else "delta"] = delta["text"] if path == "/v1/completions" else delta
             if want_ids:
@@ -768,8 +770,7 @@ def main(argv=None):
     arg("--host", default="127.0.0.1"), arg("--port", type=int, default=8000)
     arg("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     arg("--num_pages", type=int, default=2048, help="cache pages (memory = pages x page_size x layers x 704 values)")
-    arg("--page_size", type=int, default=16), arg("--max_batch", type=int, default=32)
-    arg("--max_model_len", type=int, default=None)
+    arg("--page_size", type=int, default=16), arg("--max_batch", type=int, default=32), arg("--max_model_len", type=int)
     arg("--default_max_tokens", type=int, default=1024, help="a chat request's max_tokens when it sets none")
     arg("--spec", type=int, default=0, help="MTP speculative decoding: draft this many tokens (0: off)")
     arg("--no_prefix_cache", action="store_true")

@@ -398,15 +398,21 @@ def test_prepare_sft_mixes_in_env_conversations(tok, sft_files, tmp_path):
 
 
 def test_reply_stream_matches_parse_reply(tok):
-    """Streamed deltas (one id at a time, or in chunks) add up to parse_reply's reasoning and content, and a
-    partial UTF-8 character is held back until it is whole."""
+    """Streamed deltas (one id at a time, or in chunks) add up to parse_reply's reasoning, content and tool
+    calls; a partial UTF-8 character is held back until it is whole, and a call is sent only when it is whole."""
     s = tok.special_tokens
-    ids = [s["<think>"]] + tok.encode("plan: é then ü") + [s["</think>"]] + tok.encode("the answer — 42") + [tok.eot_id]
+    call = lambda name, args: [s["<tool_call>"]] + tok.encode(f"{name}\n{args}") + [s["</tool_call>"]]
+    ids = ([s["<think>"]] + tok.encode("plan: é then ü") + [s["</think>"]] + tok.encode("the answer — 42")
+           + call("search", '{"q": "ü"}') + tok.encode("\n") + call("open", '{"id": 3}') + [tok.eot_id])
     want = chat.parse_reply(ids, tok)
+    assert [c["function"]["name"] for c in want["tool_calls"]] == ["search", "open"]
     for chunk in (1, 3, len(ids)):
-        rs, got = chat.ReplyStream(tok), {"reasoning_content": "", "content": ""}
+        rs, got, calls = chat.ReplyStream(tok), {"reasoning_content": "", "content": ""}, []
         for i in range(0, len(ids), chunk):
-            for k, v in rs.feed(ids[i:i + chunk]).items():
-                assert "\ufffd" not in v
+            delta = rs.feed(ids[i:i + chunk])
+            calls += delta.pop("tool_calls", [])
+            for k, v in delta.items():
+                assert "\ufffd" not in v and "search" not in v  # no call text leaks into content
                 got[k] += v
         assert got["reasoning_content"].strip() == want["reasoning_content"] and got["content"].strip() == want["content"]
+        assert [c.pop("index") for c in calls] == [0, 1] and calls == want["tool_calls"]

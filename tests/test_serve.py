@@ -344,3 +344,36 @@ def test_terminal_chat_keeps_the_conversation(ckpt, one_thread, monkeypatch, cap
     tok = ckpt[1]
     assert tok.decode(submitted[1]).count("hello there") == 1 and "and again" in tok.decode(submitted[1])
     assert submitted[1][-1] == tok.special_tokens["</think>"]  # thinking off: the prompt ends with the empty block
+
+
+def test_http_tool_calls_whole_and_streamed(ckpt, one_thread, monkeypatch):
+    """A reply that calls a tool (the model's tokens scripted): tool_calls with ids and finish_reason
+    "tool_calls", the same calls streamed whole, and none of the call's text sent as content."""
+    tok, s = ckpt[1], ckpt[1].special_tokens
+    call = lambda name, args: [s["<tool_call>"]] + tok.encode(f"{name}\n{args}") + [s["</tool_call>"]]
+    script = tok.encode("let me look") + call("search", '{"q": "fox"}') + call("open", '{"id": 2}') + [s["<|observation|>"]]
+    eng = engine(ckpt, num_pages=64, max_model_len=200)
+    real = eng.append
+    monkeypatch.setattr(eng, "append", lambda r, logits, token=None: real(r, logits, script[len(r.out)]))
+    srv, stop = serve.make_server(eng, port=0, model_name="tiny")
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{srv.server_address[1]}/v1/chat/completions"
+    body = {"messages": [{"role": "user", "content": "find the fox"}], "max_tokens": 120, "temperature": 0,
+            "chat_template_kwargs": {"enable_thinking": False}}
+    try:
+        whole = requests.post(url, json=body).json()["choices"][0]
+        with requests.post(url, json={**body, "stream": True}, stream=True) as r:
+            chunks = [json.loads(l[6:]) for l in r.iter_lines() if l and l != b"data: [DONE]"]
+    finally:
+        stop.set()
+        srv.shutdown()
+    calls = whole["message"]["tool_calls"]
+    assert whole["finish_reason"] == "tool_calls" and whole["message"]["content"] == "let me look"
+    assert [(c["id"], c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        (calls[0]["id"], "search", {"q": "fox"}), (calls[1]["id"], "open", {"id": 2})] and calls[0]["id"] != calls[1]["id"]
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    streamed = [c for d in deltas for c in d.get("tool_calls", [])]
+    assert all(c.pop("id").startswith("call_") for c in streamed)
+    assert [c.pop("index") for c in streamed] == [0, 1] and [c["function"] for c in streamed] == [c["function"] for c in calls]
+    assert "".join(d.get("content", "") for d in deltas).strip() == "let me look"
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
