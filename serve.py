@@ -317,14 +317,14 @@ class Engine:
     def step(self):
         """Admit waiting requests (prefill each) while the batch and the cache allow, then one decode step
         for every running request. Returns the number of requests still in the engine."""
-        for r in [r for r in self.running if r.aborted]:
+        with self.cond:  # aborted requests leave now, waiting ones too (else they fill the queue: 503s)
+            gone = [r for r in list(self.waiting) + self.running if r.aborted]
+            self.waiting = collections.deque(r for r in self.waiting if not r.aborted)
+        for r in gone:
             self.finish(r, "abort")
         while self.waiting and len(self.running) < self.max_batch:
             with self.cond:
                 r = self.waiting.popleft()
-            if r.aborted:
-                self.finish(r, "abort")
-                continue
             try:
                 admitted = self.admit(r)
             except Exception as e:  # a prompt that cannot be prefilled fails alone; the batch goes on

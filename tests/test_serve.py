@@ -140,6 +140,25 @@ def test_a_request_that_fails_alone_leaves_the_engine_serving(ckpt, one_thread):
     assert [r.out for r in again] == [r.out for r in want] and again[0].n_cached == 0
 
 
+def test_aborted_waiting_requests_leave_the_queue(ckpt, one_thread):
+    """Clients that hang up while queued (the batch is full) are dropped at the next step, so they neither fill
+    the waiting queue (EngineFull, a 503) nor hold anyone up."""
+    eng = engine(ckpt, max_batch=1, max_waiting=2)
+    busy = eng.submit(PROMPTS[0], GREEDY)
+    eng.step()  # busy runs; the batch is full
+    gone = [eng.submit(p, GREEDY) for p in PROMPTS[1:3]]
+    with pytest.raises(serve.EngineFull):
+        eng.submit(PROMPTS[3], GREEDY)
+    for r in gone:
+        r.aborted = True
+    eng.step()
+    assert [r.finish for r in gone] == ["abort", "abort"] and not eng.waiting and busy.finish is None
+    late = eng.submit(PROMPTS[3], GREEDY)  # room again
+    while eng.step():
+        pass
+    assert busy.finish == late.finish == "length" and eng.cache.available() == eng.cache.num_pages
+
+
 def test_seeded_sampling_is_reproducible(ckpt, one_thread):
     eng = engine(ckpt)
     sp = serve.SamplingParams(max_tokens=8, temperature=1.5, top_p=0.9, top_k=50, seed=7, ignore_eos=True)
