@@ -81,16 +81,18 @@ class Indexer(nn.Module):
 
 def index_scores(q, w, k_all, softmax_scale):
     """The lightning indexer: I[t, s] = sum_j w[t, j] ReLU(q[t, j] . k[s] * scale) (also kernels.py's reference)."""
-    dots = torch.einsum("bthd,bsd->bths", q, upcast(k_all).to(q.dtype)) * softmax_scale  # (B, T, Hi, S)
-    return torch.einsum("bths,bth->bts", F.relu(dots), w)
+    with torch.autocast(q.device.type, enabled=False):  # fp32 scores (SPEC 4), also under autocast
+        dots = torch.einsum("bthd,bsd->bths", q, upcast(k_all).to(q.dtype)) * softmax_scale  # (B, T, Hi, S)
+        return torch.einsum("bths,bth->bts", F.relu(dots), w)
 
 
 def selected_index_scores(q, w, k_all, idx, softmax_scale):
     """index_scores at the selected keys only -> (B, T, K) fp32, equal to index_scores(...).gather(-1, idx):
     all the sparse stage's KL needs, without the (B, T, Hi, S) intermediate (model.py's kernel path)."""
     k_sel = k_all[torch.arange(k_all.shape[0], device=idx.device)[:, None, None], idx]  # (B, T, K, Di)
-    dots = torch.einsum("bthd,btkd->bthk", q, upcast(k_sel).to(q.dtype)) * softmax_scale  # (B, T, Hi, K)
-    return torch.einsum("bthk,bth->btk", F.relu(dots), w)
+    with torch.autocast(q.device.type, enabled=False):
+        dots = torch.einsum("bthd,btkd->bthk", q, upcast(k_sel).to(q.dtype)) * softmax_scale  # (B, T, Hi, K)
+        return torch.einsum("bthk,bth->btk", F.relu(dots), w)
 
 
 # -----------------------------------------------------------------------------

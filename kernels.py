@@ -265,11 +265,11 @@ def sparse_mla_fwd(q_abs, q_pe, latent, idx, valid, softmax_scale, num_splits=No
 
 
 @triton.jit
-def sparse_mla_bwd_kernel(QA, QP, LAT, IDX, VALID, DO, LSE, DELTA, DQA, DQP, DLAT, T, H, K, C, R, scale, scale_log2,
+def sparse_mla_bwd_kernel(QA, QP, LAT, IDX, VALID, O, DO, LSE, DLSE, DQA, DQP, DLAT, T, H, K, C, R, scale, scale_log2,
                           sl_b, sl_s, sd_b, sd_s,
                           BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr):
     # one program: one query token (b, t) and BLOCK_H of its heads, over all K of its selected keys.
-    # With s = scale * (q_abs . c_kv + q_pe . k_pe), p = exp(s - lse) and delta = rowsum(dO * o) - dlse:
+    # With s = scale * (q_abs . c_kv + q_pe . k_pe), p = exp(s - lse) and delta = rowsum(dO * o) - dlse (here):
     #   dp = dO . c_kv,  ds = p * (dp - delta)                    (FlashAttention-2's backward, plus the lse term)
     #   dq_abs = scale * ds @ c_kv,  dq_pe = scale * ds @ k_pe
     #   dc_kv = p^T @ dO + scale * ds^T @ q_abs,  dk_pe = scale * ds^T @ q_pe   -> added into the gathered rows
@@ -283,7 +283,8 @@ def sparse_mla_bwd_kernel(QA, QP, LAT, IDX, VALID, DO, LSE, DELTA, DQA, DQP, DLA
     q_pe = tl.load(QP + (bt * H + h[:, None]) * R + r[None, :], mask=hr, other=0.0)  # (BLOCK_H, BLOCK_R)
     d_o = tl.load(DO + (bt * H + h[:, None]) * C + c[None, :], mask=hc, other=0.0)  # (BLOCK_H, BLOCK_C)
     lse2 = tl.load(LSE + bt * H + h, mask=h < H, other=0.0) * 1.4426950408889634  # log2 units, like the forward
-    delta = tl.load(DELTA + bt * H + h, mask=h < H, other=0.0)  # (BLOCK_H,) fp32
+    o = tl.load(O + (bt * H + h[:, None]) * C + c[None, :], mask=hc, other=0.0).to(tl.float32)
+    delta = tl.sum(d_o.to(tl.float32) * o, axis=1) - tl.load(DLSE + bt * H + h, mask=h < H, other=0.0)  # (BLOCK_H,)
     dq_abs = tl.zeros((BLOCK_H, BLOCK_C), tl.float32)
     dq_pe = tl.zeros((BLOCK_H, BLOCK_R), tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -303,8 +304,8 @@ def sparse_mla_bwd_kernel(QA, QP, LAT, IDX, VALID, DO, LSE, DELTA, DQA, DQP, DLA
         d_c = tl.dot(tl.trans(p.to(d_o.dtype)), d_o) + tl.dot(tl.trans(ds.to(q_abs.dtype)), q_abs)  # (BLOCK_K, BLOCK_C)
         d_pe = tl.dot(tl.trans(ds.to(q_pe.dtype)), q_pe)  # (BLOCK_K, BLOCK_R)
         d_row = DLAT + b * sd_b + pos * sd_s
-        tl.atomic_add(d_row[:, None] + c[None, :], d_c, mask=ok[:, None] & (c[None, :] < C))
-        tl.atomic_add(d_row[:, None] + C + r[None, :], d_pe, mask=ok[:, None] & (r[None, :] < R))
+        tl.atomic_add(d_row[:, None] + c[None, :], d_c, mask=ok[:, None] & (c[None, :] < C), sem="relaxed")
+        tl.atomic_add(d_row[:, None] + C + r[None, :], d_pe, mask=ok[:, None] & (r[None, :] < R), sem="relaxed")
     tl.store(DQA + (bt * H + h[:, None]) * C + c[None, :], dq_abs.to(DQA.dtype.element_ty), mask=hc)
     tl.store(DQP + (bt * H + h[:, None]) * R + r[None, :], dq_pe.to(DQP.dtype.element_ty), mask=hr)
 
@@ -315,11 +316,13 @@ def sparse_mla_bwd(q_abs, q_pe, latent, idx, valid, o, lse, d_o, d_lse, softmax_
     R, K = q_pe.shape[-1], idx.shape[-1]
     q_abs, q_pe, idx, d_o = q_abs.contiguous(), q_pe.contiguous(), idx.contiguous(), d_o.contiguous()
     valid = valid.contiguous().view(torch.uint8)
-    delta = (d_o.float() * o.float()).sum(-1) - d_lse.float()  # (B, T, H): softmax's rowsum(dO * o), less dlse
-    d_q_abs, d_q_pe = torch.empty_like(q_abs), torch.empty_like(q_pe)
+    assert latent.stride(-1) == 1, "the latent cache must be contiguous in its last dim"
+    d_q_abs = torch.empty(q_abs.shape, device=q_abs.device, dtype=q_abs.dtype)
+    d_q_pe = torch.empty(q_pe.shape, device=q_pe.device, dtype=q_pe.dtype)
     d_lat = torch.zeros(latent.shape, device=latent.device, dtype=torch.float32)  # (B, S, C + R), atomics add here
     sparse_mla_bwd_kernel[(B * T, cdiv(H, block_h))](
-        q_abs, q_pe, latent, idx, valid, d_o, lse.contiguous(), delta.contiguous(), d_q_abs, d_q_pe, d_lat,
+        q_abs, q_pe, latent, idx, valid, o.contiguous(), d_o, lse.contiguous(), d_lse.float().contiguous(),
+        d_q_abs, d_q_pe, d_lat,
         T, H, K, C, R, softmax_scale, softmax_scale * LOG2E, latent.stride(0), latent.stride(1),
         d_lat.stride(0), d_lat.stride(1),
         BLOCK_H=block_h, BLOCK_K=block_k, BLOCK_C=pow2(C), BLOCK_R=pow2(R), num_warps=8, num_stages=1)
