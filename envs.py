@@ -735,8 +735,8 @@ def oracle_policy(env, tok, thinking=True):
 # SFT data: solved conversations with thinking, observations from the real environment
 
 
-def solved_conversation(env, seed):
-    """One conversation in chat.py's SFT format, solved by the task's own solution and checked: reward 1."""
+def play_solution(env, seed):
+    """Play the task's own solution against the real environment -> (messages in chat.py's format, reward, reason)."""
     task, tools = env.reset(seed)
     messages = [{"role": "system", "content": system_prompt(tools)}, {"role": "user", "content": task}]
     gen = env.solve()
@@ -749,6 +749,12 @@ def solved_conversation(env, seed):
         messages += [{"role": "observation", "content": o} for o in obs]
         msg = gen.send(obs)
     env.close()
+    return messages, reward, reason
+
+
+def solved_conversation(env, seed):
+    """One conversation in chat.py's SFT format, solved by the task's own solution and checked: reward 1."""
+    messages, reward, reason = play_solution(env, seed)
     assert reward == 1.0, f"the {env.name} solution of seed {seed} failed: {reason}"
     return {"kind": f"env_{env.name}", "messages": messages, "preserve_thinking": True}
 

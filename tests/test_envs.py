@@ -36,13 +36,7 @@ def tok():
 
 def solve(env, seed):
     """Play env's own solution; returns (reward, reason)."""
-    env.reset(seed)
-    gen, obs = env.solve(), None
-    while True:
-        obs, reward, done, reason = env.step(gen.send(obs) if obs is not None else next(gen))
-        if done:
-            env.close()
-            return reward, reason
+    return envs.play_solution(env, seed)[1:]
 
 
 def play(env, seed, messages):
