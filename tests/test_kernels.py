@@ -316,8 +316,9 @@ def test_model_runs_the_kernels_in_its_sparse_path(case, monkeypatch):
     assert all(calls.count(f) == layers for f in ("sparse_mla", "sparse_mla_bwd", "sparse_mla_target")), calls
     attn = [g for (n, _), g in zip(m.named_parameters(), ref_train[3:]) if "self_attn" in n]  # indexer's included
     assert ref_train[2] > 0 and all(g.abs().sum() > 0 for g in attn)  # a KL, and attention gradients to compare
+    bound = 1e-4 if dev == "cpu" else tol  # fp32 dots on a GPU are tf32
     for a, b in zip(got_train, ref_train):
-        assert (a - b).abs().max() <= 1e-4 * b.abs().max().clamp_min(1e-3)
+        assert (a - b).abs().max() <= bound * b.abs().max().clamp_min(1e-3)
 
 
 def test_model_sparse_stage_under_autocast(case, monkeypatch):
@@ -339,7 +340,7 @@ def test_model_sparse_stage_under_autocast(case, monkeypatch):
         got.append([losses["lm"].detach(), losses["indexer_kl"].detach()]
                    + [p.grad.clone() for n, p in m.named_parameters() if "self_attn" in n])  # the indexer's included
     for a, b in zip(*got):
-        assert (a - b).abs().max() <= 2e-2 * b.abs().max()
+        assert (a - b).abs().max() <= max(2e-2, tol) * b.abs().max()
 
 
 def test_bench_says_it_needs_a_gpu():
