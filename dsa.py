@@ -17,7 +17,8 @@ one rule kernels.use_triton decides; NANOGLM_KERNELS=torch keeps the torch code 
 Honest limits: these are plain torch reference paths. The index score passes through a
 (B, T, index_n_heads, S) fp32 intermediate and the gather is (B, T, K, 576), so memory grows with
 T*S*index_n_heads; kernels.py avoids both. In the sparse stage on a GPU, the KL reads kernels.py's target and
-selected_index_scores below (the indexer at the K selected keys only); the dense warm-up keeps this torch path. Run its tests with `python -m pytest tests/test_dsa.py`.
+selected_index_scores below (the indexer at the K selected keys only); the dense warm-up keeps this torch path.
+Run its tests with `python -m pytest tests/test_dsa.py`.
 """
 
 import torch
@@ -37,6 +38,7 @@ def linear_fp32(x, weight):
     weights and the MoE router (SPEC 4, 5) are fp32 on purpose."""
     with torch.autocast(x.device.type, enabled=False):
         return F.linear(upcast(x), weight.to(upcast(x).dtype))
+
 
 # -----------------------------------------------------------------------------
 # The lightning indexer (checkpoint names: wq_b, wk, k_norm, weights_proj)
