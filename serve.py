@@ -695,7 +695,8 @@ class Handler(BaseHTTPRequestHandler):
         else:
             choice["message"] = msg = chat.parse_reply(r.out, self.server.engine.tok, stop=r.stop_str)
             for i, call in enumerate(msg.get("tool_calls", [])):
-                call["id"], choice["finish_reason"] = f"call_{r.id}_{i}", "tool_calls" if r.finish == "stop" else r.finish
+                call["id"] = f"call_{r.id}_{i}"
+            choice["finish_reason"] = "tool_calls" if msg.get("tool_calls") and r.finish == "stop" else r.finish
         out = {**self.header(r, path), "choices": [choice], "usage": self.usage(r)}
         if want_ids:
             out["prompt_token_ids"], choice["token_ids"] = r.prompt, r.out
