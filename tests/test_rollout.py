@@ -16,7 +16,7 @@ import data
 import engine
 import envs
 import model
-import rl_async
+import rl
 import rollout
 import sandbox
 import serve
@@ -269,12 +269,12 @@ def test_rollout_through_the_gateway_gives_trajectories(tok, replica):
     assert seg["ids"] == gw.segments[0]["ids"] and seg["logprobs"] == gw.segments[0]["logprobs"]
     assert [int(m) for m in seg["mask"]] == gw.segments[0]["mask"]
     [traj] = rollout.trajectories(gw, episode, group=("math", 0))
-    assert isinstance(traj, rl_async.Trajectory)
+    assert isinstance(traj, rl.Trajectory)
     assert (traj.ids, traj.mask, traj.logprobs, traj.versions) == tuple(
         gw.segments[0][k] for k in ("ids", "mask", "logprobs", "versions")
     )
     assert traj.rollout_id == "math-0" and traj.reward == episode["reward"] and traj.group == ("math", 0)
-    assert rl_async.staleness(traj, eng.version) == 0
+    assert rl.staleness(traj, eng.version) == 0
     episode["segments"][0]["ids"] = episode["segments"][0]["ids"][:-1]
     with pytest.raises(rollout.TITOMismatch):
         rollout.trajectories(gw, episode, group=("math", 0))

@@ -1,0 +1,506 @@
+"""rl.py's algorithmic core: the importance ratio's identity with on-policy REINFORCE, exact zero
+gradient outside the trust band and r * A * grad log pi inside, GRPO's group advantages, IcePop's mask
+and the PPO clip, distillation's sign, the buffer's staleness and group rules with their counts, and the
+DP-aware router's stability, balance and removal (tiny tensors, milliseconds each); then the trainer's step
+on a tiny GLM-5 in float64: on-policy it is REINFORCE (gradient and update), mask-0 tokens and right padding
+change nothing, the indexers, router bias and MTP block stay bit-identical, identical rewards give a zero
+gradient, distillation's gradient, and the optimizer reset (a second or so each)."""
+
+import math
+
+import pytest
+import torch
+from conftest import randomize, tiny_config
+
+import model
+import rl
+from rl import Trajectory
+
+
+def token_logprobs(seed, N=4, T=6, V=11):
+    """A tiny policy: free logits (N, T, V) as the parameters, the log pi of random sampled tokens (N, T)."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(N, T, V, generator=g, dtype=torch.float64, requires_grad=True)
+    ids = torch.randint(0, V, (N, T), generator=g)
+    logp = torch.log_softmax(logits, dim=-1).gather(-1, ids[..., None])[..., 0]  # (N, T)
+    mask = torch.rand(N, T, generator=g) < 0.7
+    mask[:, 0] = True  # every trajectory has at least one sampled token
+    adv = torch.randn(N, generator=g, dtype=torch.float64)
+    return logits, logp, mask, adv, g
+
+
+def leaf(x):
+    return x.detach().clone().requires_grad_()
+
+
+# -----------------------------------------------------------------------------
+# The policy losses
+
+
+def test_equal_logprobs_are_on_policy_reinforce():
+    logits, logp, mask, adv, _ = token_logprobs(0)
+    loss, stats = rl.agentic_loss(logp, logp.detach().clone(), adv, mask)
+    (grad,) = torch.autograd.grad(loss, logits, retain_graph=True)
+    reinforce = -(adv[:, None] * logp * mask).sum() / mask.sum()
+    (grad_ref,) = torch.autograd.grad(reinforce, logits, retain_graph=True)
+    torch.testing.assert_close(loss, reinforce, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grad, grad_ref, rtol=1e-12, atol=1e-12)
+    assert stats["masked_frac"] == 0.0 and stats["abs_r_minus_1"] == 0.0
+    assert stats["tokens"] == int(mask.sum())
+
+    # GRPO + IcePop with pi_theta = pi_old = pi_rollout: the same gradient (its value is -E[A] instead)
+    loss, stats = rl.reasoning_loss(logp, logp.detach(), logp.detach(), adv, mask)
+    (grad,) = torch.autograd.grad(loss, logits)
+    torch.testing.assert_close(grad, grad_ref, rtol=1e-12, atol=1e-12)
+    assert stats["masked_frac"] == 0.0 and stats["clip_frac"] == 0.0
+
+
+def test_trust_band_zero_gradient_outside_r_times_a_inside():
+    logits, logp, mask, adv, g = token_logprobs(1, N=8, T=16)
+    logp_rollout = logp.detach() + 0.3 * torch.randn(logp.shape, generator=g, dtype=torch.float64)
+    x = leaf(logp)
+    loss, stats = rl.agentic_loss(x, logp_rollout, adv, mask, eps_low=0.2, eps_high=0.28)
+    loss.backward()
+    r = torch.exp(logp.detach() - logp_rollout)
+    inside = mask & (r > 0.8) & (r < 1.28)
+    outside = ~inside
+    assert inside.any() and (mask & outside).any(), "the noise should put tokens on both sides of the band"
+    assert torch.equal(x.grad[outside], torch.zeros_like(x.grad[outside]))  # exactly zero, not small
+    expected = -(r * adv[:, None].expand_as(r)) / mask.sum()
+    torch.testing.assert_close(x.grad[inside], expected[inside], rtol=1e-12, atol=0)
+    assert stats["masked_frac"] == pytest.approx(float((mask & outside).sum() / mask.sum()))
+    assert stats["abs_r_minus_1"] == pytest.approx(float((r - 1).abs()[mask].mean()))
+
+    # through the parameters: a masked token's logits get exactly no gradient, a kept one r * A * grad log pi
+    loss, _ = rl.agentic_loss(logp, logp_rollout, adv, mask)
+    (grad,) = torch.autograd.grad(loss, logits, retain_graph=True)
+    assert torch.equal(grad[outside], torch.zeros_like(grad[outside]))
+    n, t = inside.nonzero()[0].tolist()
+    (grad_logp,) = torch.autograd.grad(logp[n, t], logits, retain_graph=True)
+    torch.testing.assert_close(grad[n, t], expected[n, t] * grad_logp[n, t], rtol=1e-12, atol=1e-15)
+
+
+def test_environment_tokens_with_no_logprob_stay_out():
+    _, logp, mask, adv, _ = token_logprobs(2)
+    logp_new = logp.detach().clone()
+    logp_new[~mask] = -math.inf
+    logp_rollout = logp.detach().clone()
+    logp_rollout[~mask] = math.nan
+    for kind in ("agentic", "reasoning"):
+        x = leaf(logp_new)
+        if kind == "agentic":
+            loss, stats = rl.agentic_loss(x, logp_rollout, adv, mask)
+        else:
+            loss, stats = rl.reasoning_loss(x, logp_new, logp_rollout, adv, mask)
+        loss.backward()
+        assert torch.isfinite(loss) and torch.isfinite(x.grad).all(), kind
+        assert torch.equal(x.grad[~mask], torch.zeros_like(x.grad[~mask])), kind
+        assert math.isfinite(stats["abs_r_minus_1"]) and stats["masked_frac"] == 0.0, kind
+
+
+def test_group_advantages():
+    g = torch.Generator().manual_seed(3)
+    rewards = torch.rand(5, 8, generator=g)
+    rewards[2] = 0.1  # all equal: a float mean of 0.1s is not exactly 0.1
+    rewards[3] = (torch.rand(8, generator=g) > 0.5).float()
+    rewards[3, :2] = torch.tensor([0.0, 1.0])  # a 0/1 group with both outcomes
+    adv = rl.group_advantages(rewards)
+    torch.testing.assert_close(adv.sum(dim=1), torch.zeros(5), rtol=0, atol=1e-5)
+    assert torch.equal(adv[2], torch.zeros(8))
+    torch.testing.assert_close(adv[[0, 1, 3, 4]].std(dim=1, correction=0), torch.ones(4), rtol=1e-4, atol=0)
+    plain = rl.group_advantages(rewards, scale_by_std=False)
+    torch.testing.assert_close(plain[0], rewards[0] - rewards[0].mean())
+    assert torch.equal(plain[2], torch.zeros(8))
+    assert torch.equal(rl.group_advantages(torch.tensor([[0.7]])), torch.zeros(1, 1))  # group of one
+
+    # identical rewards give no gradient at all, through either loss
+    logits, logp, mask, _, _ = token_logprobs(4, N=8)
+    adv = rl.group_advantages(torch.full((1, 8), 1.0)).flatten()  # (N,)
+    for loss, _ in (
+        rl.agentic_loss(logp, logp.detach(), adv, mask),
+        rl.reasoning_loss(logp, logp.detach(), logp.detach(), adv, mask),
+    ):
+        (grad,) = torch.autograd.grad(loss, logits, retain_graph=True)
+        assert torch.equal(grad, torch.zeros_like(grad))
+
+
+def test_icepop_mask_and_ppo_clip():
+    # five tokens whose training/inference ratio k is e^-1, e^-0.5, 1, e^0.5, e^1: IcePop keeps [1/2, 2]
+    logp_old = torch.full((1, 5), -1.0, dtype=torch.float64)
+    logp_rollout = logp_old - torch.tensor([[-1.0, -0.5, 0.0, 0.5, 1.0]], dtype=torch.float64)
+    k = torch.exp(logp_old - logp_rollout)
+    mask = torch.ones(1, 5, dtype=torch.bool)
+    adv = torch.tensor([2.0], dtype=torch.float64)
+    x = leaf(logp_old)
+    loss, stats = rl.reasoning_loss(x, logp_old, logp_rollout, adv, mask)
+    loss.backward()
+    kept = torch.tensor([[False, True, True, True, False]])
+    assert stats["masked_frac"] == pytest.approx(2 / 5)
+    assert torch.equal(x.grad[~kept], torch.zeros(2, dtype=torch.float64))
+    torch.testing.assert_close(x.grad[kept], -(k * 2.0)[kept] / 5, rtol=1e-12, atol=0)  # rho = 1: M(k) * A
+
+    # PPO's clip, 1 + 0.28 above and 1 - 0.2 below: no gradient where the ratio has moved past the band
+    # in the advantage's direction, the full gradient where it moved against it
+    logp_new = logp_old + torch.tensor(
+        [[0.3, 0.3, -0.3, -0.3, 0.1]], dtype=torch.float64
+    )  # rho 1.35, .74, 1.1
+    adv = torch.tensor([[1.0, -1.0, -1.0, 1.0, 1.0]], dtype=torch.float64)  # per-token advantages (N, T)
+    x = leaf(logp_new)
+    loss, stats = rl.reasoning_loss(x, logp_old, logp_old, adv, mask)
+    loss.backward()
+    rho = torch.exp(logp_new - logp_old)
+    assert x.grad[0, 0] == 0 and x.grad[0, 2] == 0  # pushed further out: clipped
+    torch.testing.assert_close(x.grad[0, [1, 3, 4]], -(rho * adv)[0, [1, 3, 4]] / 5, rtol=1e-12, atol=0)
+    assert stats["clip_frac"] == pytest.approx(4 / 5) and stats["masked_frac"] == 0.0
+
+
+def test_distillation_advantage_sign():
+    _, logp, mask, _, g = token_logprobs(5)
+    logp_teacher = logp.detach() + torch.randn(logp.shape, generator=g, dtype=torch.float64)
+    adv = rl.distill_advantages(logp_teacher, logp)
+    assert not adv.requires_grad  # stop-gradient: only the policy-gradient path trains the student
+    assert torch.equal(adv > 0, logp_teacher > logp.detach())  # student below teacher: positive
+    x = leaf(logp)
+    loss, _ = rl.agentic_loss(x, logp.detach(), adv, mask)
+    loss.backward()
+    # a descent step raises log pi_student where the teacher is above it, lowers it where below
+    assert torch.equal((x.grad < 0)[mask], (adv > 0)[mask])
+
+
+# -----------------------------------------------------------------------------
+# The buffer's filters
+
+
+def traj(group, version=0, failed=False, reward=1.0):
+    # prompt token (mask 0, version -1), two sampled tokens, an environment token, one more sampled token
+    return Trajectory(
+        group,
+        ids=[5, 6, 7, 8, 9],
+        mask=[0, 1, 1, 0, 1],
+        logprobs=[0.0, -0.5, -0.1, 0.0, -0.2],
+        versions=[-1, version, version + 1, -1, version + 1],
+        reward=reward,
+        failed=failed,
+    )
+
+
+def test_group_rule_pads_or_drops_with_counts():
+    a = [traj("a") for _ in range(4)]  # all valid: kept as is
+    b = [traj("b"), traj("b", failed=True), traj("b"), traj("b")]  # 3 of 4 valid: padded
+    c = [traj("c"), traj("c", failed=True), traj("c", failed=True), traj("c")]  # exactly half: dropped
+    d = [traj("d"), traj("d"), traj("d")]  # one missing (dropped as stale, say), 3 of 4: padded
+    e = [traj("e", failed=True)]  # nothing valid: dropped
+    kept, stats = rl.group_filter(a + b + c + d + e, group_size=4)
+    assert stats == {"failed": 4, "padded": 2, "dropped_groups": 2}
+    assert [t.group for t in kept] == ["a"] * 4 + ["b"] * 4 + ["d"] * 4
+    assert not any(t.failed for t in kept)
+    assert kept[:4] == a
+    assert kept[4:8] == [b[0], b[2], b[3], b[0]]  # the valid ones, then repeats from the first
+    assert kept[8:] == [d[0], d[1], d[2], d[0]]
+
+
+def test_staleness_filter_and_the_buffer_order():
+    trajs = [traj("g", version=v) for v in range(6)]  # oldest sampled token at versions 0..5
+    kept, stats = rl.staleness_filter(trajs, newest=6, tau=3)
+    assert [t.versions[1] for t in kept] == [3, 4, 5]  # 6 - 3 = 3 behind is allowed, 4 behind is not
+    assert stats == {"stale": 3, "staleness": {1: 1, 2: 1, 3: 1, 4: 1, 5: 1, 6: 1}}
+    # environment and prompt tokens (version -1, mask 0) are not "sampled by version -1"
+    assert rl.staleness(traj("g", version=6), newest=6) == 0
+    empty = Trajectory("g", ids=[1], mask=[0], logprobs=[0.0], versions=[-1])
+    assert rl.staleness(empty, newest=9) == 0
+
+    # staleness first: two stale of four leave half a group, which the group rule drops
+    trajs = [traj("x", version=0), traj("x", version=0), traj("x", version=5), traj("x", version=5)]
+    trajs += [traj("y", version=5) for _ in range(3)] + [traj("y", version=0)]
+    kept, stats = rl.filter_buffer(trajs, newest=6, tau=3, group_size=4)
+    assert stats["stale"] == 3 and stats["dropped_groups"] == 1 and stats["padded"] == 1
+    assert [t.group for t in kept] == ["y"] * 4
+
+
+# -----------------------------------------------------------------------------
+# The DP-aware router
+
+
+def place(ids, replicas, eps):
+    ring = rl.build_ring(replicas)
+    where = {}
+    loads = dict.fromkeys(replicas, 0)
+    for i in ids:
+        rl.route(i, ring, where, loads, eps)
+    return ring, where, loads
+
+
+def test_router_same_id_same_replica():
+    ids = [f"rollout-{i}" for i in range(300)]
+    ring, where, loads = place(ids, ["r0", "r1", "r2"], eps=0.25)
+    snapshot = dict(where)
+    for i in ids[::7]:  # later turns of live rollouts: pinned, loads unchanged
+        assert rl.route(i, ring, where, loads) == snapshot[i]
+    assert sum(loads.values()) == 300
+    _, again, _ = place(ids, ["r0", "r1", "r2"], eps=0.25)  # a restarted router: the same map
+    assert again == snapshot
+    rl.release(ids[0], where, loads)
+    assert ids[0] not in where and sum(loads.values()) == 299
+
+
+@pytest.mark.parametrize("n, eps", [(4, 0.25), (7, 0.1)])
+def test_router_balance_within_the_bound(n, eps):
+    replicas = [f"replica{i}" for i in range(n)]
+    m = 2000
+    _, _, loads = place([f"id{i}" for i in range(m)], replicas, eps)
+    assert sum(loads.values()) == m
+    assert max(loads.values()) <= math.ceil((1 + eps) * m / n), loads
+    _, _, free = place([f"id{i}" for i in range(m)], replicas, eps=math.inf)
+    assert max(free.values()) > max(loads.values()), "the bound should have had something to do"
+
+
+def test_removing_a_replica_moves_only_its_keys():
+    replicas = [f"replica{i}" for i in range(5)]
+    ids = [f"id{i}" for i in range(1000)]
+    # under the bound (plain consistent hashing): a fresh map without replica2 differs only on its keys
+    _, before, _ = place(ids, replicas, eps=math.inf)
+    _, after, _ = place(ids, [r for r in replicas if r != "replica2"], eps=math.inf)
+    moved = {i for i in ids if before[i] != after[i]}
+    assert moved == {i for i in ids if before[i] == "replica2"} and moved
+
+    # bounded and live: remove_replica re-routes exactly the removed replica's rollouts, within the bound
+    eps = 0.25
+    ring, where, loads = place(ids, replicas, eps)
+    old = dict(where)
+    ring, moved = rl.remove_replica("replica2", ring, where, loads, eps)
+    assert set(moved) == {i for i in ids if old[i] == "replica2"}
+    assert all(where[i] == old[i] for i in ids if i not in moved)
+    assert "replica2" not in where.values() and all(r != "replica2" for _, r in ring)
+    assert max(loads.values()) <= math.ceil((1 + eps) * len(ids) / 4)
+    assert loads == {r: sum(1 for v in where.values() if v == r) for r in loads}
+
+
+# -----------------------------------------------------------------------------
+# The trainer's step on a tiny GLM-5 (float64, so the comparisons can be tight)
+
+
+def tiny_policy(seed=0):
+    m = model.GLM5(tiny_config()).double()
+    randomize(m, seed)  # the router bias too: it must survive a step unchanged, so it should not be zero
+    return m
+
+
+def own_logprobs(m, ids):
+    """The model's log pi of ids[1:] given the prefix, one unpadded sequence at a time: (len(ids),),
+    0.0 at the first token (nothing predicts it)."""
+    with torch.no_grad():
+        logp = rl.token_logprobs(m, torch.tensor([ids]))[0]
+    return [0.0] + logp.tolist()
+
+
+def on_policy_batch(m, seed, groups=2, n=3, rewards=None):
+    """Ragged trajectories (lengths 6 to 12): a 3-token prompt, then sampled tokens with an environment
+    token now and then; the rollout logprobs are the model's own, so every ratio is 1."""
+    g = torch.Generator().manual_seed(seed)
+    V = m.config.vocab_size
+    trajs = []
+    for k in range(groups * n):
+        T = int(torch.randint(6, 13, (1,), generator=g))
+        ids = torch.randint(0, V, (T,), generator=g).tolist()
+        mask = [0, 0, 0] + [int(x) for x in (torch.rand(T - 3, generator=g) < 0.75).tolist()]
+        mask[3] = 1
+        logp = own_logprobs(m, ids)
+        logp = [lp if s else 0.0 for lp, s in zip(logp, mask)]
+        versions = [0 if s else -1 for s in mask]
+        reward = float(torch.rand((), generator=g)) if rewards is None else rewards[k // n]
+        trajs.append(Trajectory(k // n, ids, mask, logp, versions, reward, rollout_id=f"r{k}"))
+    return trajs
+
+
+def grads(m):
+    return {n: None if p.grad is None else p.grad.clone() for n, p in m.named_parameters()}
+
+
+def reinforce_loss(m, trajs, adv):
+    """On-policy REINFORCE by hand: -sum_i A_i sum_t mask * log pi / (number of sampled tokens), each
+    trajectory through the model alone, unpadded."""
+    total = 0.0
+    for a, t in zip(adv, trajs):
+        logp = rl.token_logprobs(m, torch.tensor([t.ids]))[0]  # (T - 1,)
+        total = total + a * (logp * torch.tensor(t.mask[1:], dtype=logp.dtype)).sum()
+    return -total / sum(sum(t.mask) for t in trajs)
+
+
+def test_trainer_step_is_on_policy_reinforce():
+    import copy
+
+    m = tiny_policy(0)
+    trajs = on_policy_batch(m, 0)
+    adv = rl.trajectory_advantages(trajs).double()
+    torch.testing.assert_close(
+        adv.view(2, 3).sum(dim=1), torch.zeros(2, dtype=torch.float64), atol=1e-6, rtol=0
+    )
+
+    a = rl.freeze_for_rl(copy.deepcopy(m))
+    loss, stats = rl.policy_loss(a, trajs)
+    loss.backward()
+    assert stats["masked_frac"] == 0.0 and stats["abs_r_minus_1"] < 1e-12
+    assert stats["tokens"] == sum(sum(t.mask) for t in trajs)
+    b = copy.deepcopy(m)
+    opt_b = rl.build_optimizers(b, ns_dtype=torch.float64)
+    ref = reinforce_loss(b, trajs, adv)
+    ref.backward()
+    torch.testing.assert_close(loss, ref, rtol=1e-10, atol=1e-12)
+    got, want = grads(a), grads(b)
+    assert [n for n, g in got.items() if g is None] == [n for n, g in want.items() if g is None]
+    assert any(g is not None and g.abs().max() > 0 for g in want.values())
+    for n in want:
+        if want[n] is not None:
+            torch.testing.assert_close(got[n], want[n], rtol=1e-8, atol=1e-12, msg=n)
+
+    # the whole step: rl_step from the same weights equals clip + step on the hand-computed gradient
+    c = copy.deepcopy(m)
+    opt_c = rl.build_optimizers(c, ns_dtype=torch.float64)
+    stats = rl.rl_step(c, opt_c, trajs, grad_clip=0.5)
+    torch.nn.utils.clip_grad_norm_([p for p in b.parameters() if p.requires_grad], 0.5)
+    for o in opt_b:
+        o.step()
+    for (n, p), q in zip(b.named_parameters(), c.parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-8, atol=1e-10, msg=n)
+    assert stats["grad_norm"] > 0.5, "the clip should have had something to do"
+    assert any(not torch.equal(p, q) for p, q in zip(m.parameters(), c.parameters()))
+
+    # GRPO + IcePop on the same on-policy batch: the same gradient
+    d = copy.deepcopy(m)
+    rl.freeze_for_rl(d)
+    loss, stats = rl.policy_loss(d, trajs, kind="reasoning")
+    loss.backward()
+    assert stats["masked_frac"] == 0.0 and stats["clip_frac"] == 0.0
+    for n, g in grads(d).items():
+        if want[n] is not None:
+            torch.testing.assert_close(g, want[n], rtol=1e-8, atol=1e-12, msg=n)
+
+
+def test_masked_tokens_have_no_influence():
+    m = rl.freeze_for_rl(tiny_policy(1))
+    trajs = on_policy_batch(m, 1)
+    loss, _ = rl.policy_loss(m, trajs)
+    loss.backward()
+    want = grads(m)
+    m.zero_grad(set_to_none=True)
+
+    # garbage rollout logprobs (NaN, -inf) on the prompt and environment tokens: bit for bit the same
+    changed = []
+    for t in trajs:
+        logprobs = list(t.logprobs)
+        for i, sampled in enumerate(t.mask):
+            if not sampled:
+                logprobs[i] = math.nan if i % 2 else -math.inf
+        changed.append(Trajectory(t.group, t.ids, t.mask, logprobs, t.versions, t.reward))
+    loss, _ = rl.policy_loss(m, changed)
+    loss.backward()
+    for n, g in grads(m).items():
+        assert (g is None and want[n] is None) or torch.equal(g, want[n]), n
+    m.zero_grad(set_to_none=True)
+
+    # other ids for the environment tokens after the last sampled one, and two more mask-0 tokens (more
+    # right padding): the same gradient up to rounding (the experts see other token counts)
+    V = m.config.vocab_size
+    changed = []
+    for t in trajs:
+        last = max(i for i, s in enumerate(t.mask) if s)
+        ids = t.ids[: last + 1] + [(i * 7 + 3) % V for i in t.ids[last + 1 :]] + [1, 2]  # new tail, 2 more
+        mask = t.mask + [0, 0]
+        changed.append(
+            Trajectory(t.group, ids, mask, t.logprobs + [0.0, 0.0], t.versions + [-1, -1], t.reward)
+        )
+    loss, _ = rl.policy_loss(m, changed)
+    loss.backward()
+    for n, g in grads(m).items():
+        if want[n] is not None:
+            torch.testing.assert_close(g, want[n], rtol=1e-9, atol=1e-13, msg=n)
+
+
+def test_indexer_and_router_bias_frozen_over_a_step():
+    m = tiny_policy(2)
+    optimizers = rl.build_optimizers(m)
+    frozen = {
+        n: t.clone() for n, t in m.state_dict().items() if ".indexer." in n or "e_score_correction_bias" in n
+    }
+    mtp = {n: p.clone() for n, p in m.named_parameters() if n.startswith("mtp_layers.")}
+    before = {n: p.clone() for n, p in m.named_parameters()}
+    in_groups = {n for o in optimizers for grp in o.param_groups for n in grp["names"]}
+    assert in_groups and not any(".indexer." in n for n in in_groups)
+    assert any(".indexer." in n for n in frozen) and any("e_score_correction_bias" in n for n in frozen)
+    rl.rl_step(m, optimizers, on_policy_batch(m, 2))
+    state = m.state_dict()
+    for n, t in frozen.items():
+        assert torch.equal(state[n], t), n
+    for n, p in mtp.items():  # no MTP loss: the MTP block gets no gradient and keeps its weights
+        assert torch.equal(state[n], p), n
+    assert not torch.equal(state["lm_head.weight"], before["lm_head.weight"])
+    assert sum(not torch.equal(state[n], p) for n, p in before.items()) > len(before) // 2
+
+    # an indexer that still trains is refused, with the fix in the sentence
+    m.model.layers[0].self_attn.indexer.wk.weight.requires_grad_(True)
+    with pytest.raises(ValueError, match="rl.build_optimizers"):
+        rl.rl_step(m, optimizers, on_policy_batch(m, 3))
+
+
+def test_identical_rewards_give_zero_gradient():
+    m = rl.freeze_for_rl(tiny_policy(3))
+    trajs = on_policy_batch(m, 4, groups=3, rewards=[1.0, 0.0, 0.3])  # each group's rewards all equal
+    for kind in ("agentic", "reasoning"):
+        loss, _ = rl.policy_loss(m, trajs, kind=kind)
+        loss.backward()
+        got = [g for g in grads(m).values() if g is not None]
+        assert got and all(torch.equal(g, torch.zeros_like(g)) for g in got), kind
+        m.zero_grad(set_to_none=True)
+
+
+def test_distillation_step_and_the_kinds():
+    import copy
+
+    m = rl.freeze_for_rl(tiny_policy(4))
+    teacher = tiny_policy(5)
+    trajs = on_policy_batch(m, 5)
+    loss, stats = rl.policy_loss(m, trajs, kind="distill", teacher=teacher)
+    loss.backward()
+    ref_model = copy.deepcopy(m)
+    ref_model.zero_grad(set_to_none=True)
+    ids, mask, _ = rl.collate(trajs)
+    logp = rl.token_logprobs(ref_model, ids)
+    with torch.no_grad():
+        adv = rl.token_logprobs(teacher, ids) - logp
+    mask = mask[:, 1:]
+    ref = -(adv * logp * mask).sum() / mask.sum()
+    ref.backward()
+    assert stats["masked_frac"] == 0.0
+    for (n, p), q in zip(m.named_parameters(), ref_model.parameters()):
+        if q.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-8, atol=1e-12, msg=n)
+    with pytest.raises(ValueError, match="teacher"):
+        rl.policy_loss(m, trajs, kind="distill")
+    with pytest.raises(ValueError, match="kind"):
+        rl.policy_loss(m, trajs, kind="ppo")
+    bad = Trajectory(0, [1, 2, 3], [1, 1, 0], [0.0, -1.0, 0.0], [0, 0, -1])
+    with pytest.raises(ValueError, match="first token"):
+        rl.collate([bad])
+    bad = Trajectory(0, [1, 2, 3], [0, 1], [0.0, -1.0, 0.0], [-1, 0, -1])
+    with pytest.raises(ValueError, match="one of each"):
+        rl.collate([bad])
+
+
+def test_optimizer_reset_is_a_fresh_optimizer():
+    import copy
+
+    m = tiny_policy(6)
+    optimizers = rl.build_optimizers(m)
+    rl.rl_step(m, optimizers, on_policy_batch(m, 6))
+    assert all(len(o.state) > 0 for o in optimizers)
+    fresh_model = copy.deepcopy(m)
+    fresh = rl.build_optimizers(fresh_model)
+    rl.reset_optimizers(optimizers)
+    assert all(len(o.state) == 0 for o in optimizers)
+    trajs = on_policy_batch(m, 7)
+    rl.rl_step(m, optimizers, trajs)
+    rl.rl_step(fresh_model, fresh, trajs)
+    for (n, p), q in zip(m.named_parameters(), fresh_model.parameters()):
+        assert torch.equal(p, q), n
+
+
