@@ -92,7 +92,8 @@ def load_model(path, device="cpu", dtype=None):
         m = glm.GLM5(glm.ModelConfig(**ck["config"]["model"]))
         m.load_state_dict(ck["model"])
         stage = ck["config"].get("train", {}).get("stage")
-        if stage and stage != "sft":  # a newcomer's first try is to chat with the pretrained toy
+        chat_trained = stage == "sft" or str(stage).startswith("rl_")  # SFT, or RL after it (rl_async.py)
+        if stage and not chat_trained:  # a newcomer's first try is to chat with the pretrained toy
             print(
                 f"note: {path} is a {stage} checkpoint: it continues text and never learned the chat format, "
                 "so chat replies will not be answers; chat with a stage sft checkpoint (README: the stages)",

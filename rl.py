@@ -326,13 +326,31 @@ def trajectory_advantages(trajs, scale_by_std=True):
     return adv
 
 
+def teacher_logprobs(teacher, ids, temperature=1.0):
+    """token_logprobs under the teacher: one model for every row, or a list of one model per row (each
+    task distilled from its own earlier stage), each model run once on its rows. ids (N, T) -> (N, T - 1)."""
+    if isinstance(teacher, torch.nn.Module):
+        return token_logprobs(teacher, ids, temperature)
+    if len(teacher) != ids.shape[0]:
+        raise ValueError(f"{len(teacher)} teachers for {ids.shape[0]} trajectories: give one per trajectory")
+    out = None
+    for t in {id(t): t for t in teacher}.values():
+        rows = torch.tensor([i for i, x in enumerate(teacher) if x is t], device=ids.device)
+        logp = token_logprobs(t, ids[rows], temperature)  # (n, T - 1)
+        if out is None:
+            out = torch.zeros(ids.shape[0], ids.shape[1] - 1, dtype=logp.dtype, device=ids.device)
+        out[rows] = logp
+    return out
+
+
 def policy_loss(m, trajs, kind="agentic", teacher=None, temperature=1.0, scale_by_std=True, **band):
     """The RL loss of a batch of Trajectory records, from the exact token ids the engine saw:
 
     kind "agentic":   agentic_loss, group-relative advantages, ratio against the rollout logprobs;
     kind "reasoning": reasoning_loss (GRPO + IcePop) with pi_old = pi_theta (one optimizer step per batch);
-    kind "distill":   agentic_loss with distill_advantages from the teacher model's logprobs of the same
-                      ids (on-policy distillation, group size 1: rewards are not used).
+    kind "distill":   agentic_loss with distill_advantages from the teacher's logprobs of the same ids
+                      (on-policy distillation, group size 1: rewards are not used); teacher is a model or
+                      a list of one model per trajectory (teacher_logprobs).
     band: the loss's own keywords (eps_low / eps_high, clip_low / clip_high / icepop). -> (loss, stats)."""
     if kind not in ("agentic", "reasoning", "distill"):
         raise ValueError(f"kind must be 'agentic', 'reasoning' or 'distill', got {kind!r}")
@@ -344,7 +362,7 @@ def policy_loss(m, trajs, kind="agentic", teacher=None, temperature=1.0, scale_b
     logp_rollout = logp_rollout[:, 1:]
     if kind == "distill":
         with torch.no_grad():
-            logp_teacher = token_logprobs(teacher, ids, temperature)  # (N, T - 1)
+            logp_teacher = teacher_logprobs(teacher, ids, temperature)  # (N, T - 1)
         return agentic_loss(logp, logp_rollout, distill_advantages(logp_teacher, logp), mask, **band)
     adv = trajectory_advantages(trajs, scale_by_std).to(logp.device)  # (N,)
     if kind == "agentic":

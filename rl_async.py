@@ -3,28 +3,70 @@ GLM-5's asynchronous agentic RL loop (GLM-5 report, arXiv 2602.15763, its post-t
 agentic RL infrastructure that decouples rollouts from training, with the TITO gateway, DP-aware routing,
 the multi-task rollout orchestrator and the dropping of stale and failed samples; the RL stages, Reasoning
 RL, Agentic RL and General RL, with on-policy cross-stage distillation). The math it runs (advantages,
-losses, filters, the trainer's step, the router) is rl.py's.
+losses, filters, the trainer's step, the router) is rl.py's; the agent loop and its token record (TITO) are
+rollout.py's; the environments are envs.py's.
 
 The loop, one code path with a `mode` switch:
 - replicas: serve.py servers given as URLs (a cluster's) or started here as `serve.py` processes on free
-  loopback ports and stopped at exit; each rollout id is pinned to one by rl.route, and a replica that
-  refuses connections leaves the ring, its rollouts starting over on the others.
+  loopback ports and stopped at exit. Each rollout id is pinned to one replica by rl.route. A replica that
+  refuses connections leaves the ring and its rollouts start over on the others (the partial record is
+  thrown away, so nothing is trained twice); a replica this script started is restarted, one given as a
+  URL is probed; either way, once it answers it gets the trainer's last pushed weights and rejoins the ring.
 - the orchestrator: groups of group_size rollouts (one task, one training-split seed; held-out seeds by
   envs.split_of stay for evaluation), the task drawn from the configured mix, run by rollout.rollout through
-  the TITO gateway on one thread pool per task (its concurrency cap). A rollout that raises or outlives
-  rollout_timeout gives a failed sample; the group rule drops it.
-- the trainer: wait for groups_per_step finished groups, rl.filter_buffer against its own version, rl.rl_step,
-  and every push_every steps save_pretrained + POST /update_weights_from_disk to every replica. mode "sync"
-  keeps exactly one batch of groups in flight; mode "async" (the default) keeps up to (1 + ahead) batches.
+  the TITO gateway (with a sampling seed per request) on one thread pool per task, whose size is that
+  task's concurrency cap. A rollout that raises or outlives rollout_timeout gives a failed sample; the
+  group rule drops it.
+- the trainer: wait for groups_per_step finished groups, rl.filter_buffer against its own version (the steps
+  taken), rl.rl_step, and every push_every steps save_pretrained + POST /update_weights_from_disk to every
+  replica (version = step), with the optional optimizer reset. mode "sync" keeps exactly one batch of groups
+  in flight, so generation and training alternate; mode "async" (the default) keeps up to (1 + ahead)
+  batches, so rollouts go on while the trainer steps, and tau bounds how stale they may be.
+- the stages, by `stage`: "reasoning" (GRPO + IcePop, rl.reasoning_loss, on math), "agentic" (direct
+  double-sided importance sampling, rl.agentic_loss, on tool-using tasks), "general" (the same loss on
+  rule-based rewards: format, length, language) and "distill" (on-policy cross-stage distillation: one
+  rollout per prompt, each token's advantage log pi_teacher - log pi_student, the teacher of each task an
+  earlier stage's checkpoint, given by `teachers`). The report runs reasoning, agentic, general, with a
+  distillation after each so a later stage does not forget an earlier one; here each stage is one run
+  whose init_from is the last one's ckpt.pt (README: the RL stages), and eval_tasks adds the earlier
+  stages' tasks to the held-out evaluation, so forgetting shows in the log.
+- checkpoints: out_dir/ckpt.pt every ckpt_every steps and at the end, atomically (train.py's
+  save_checkpoint): the model, both optimizers, the step, the orchestrator's state (its task-drawing RNG,
+  the next seed of every task, the groups submitted and not yet trained) and the settings. --resume=True
+  continues from it: the replicas get its weights as its version, the untrained groups are played again
+  with the same ids and seeds, metrics.jsonl is cut back to its step. In sync mode (nothing in flight at a
+  step's end) the resumed run equals the uninterrupted one, weights and records; in async mode the groups
+  in flight at the save are sampled again on the saved weights, so they differ from what the killed run
+  would have sampled (partial rollouts are thrown away, as slime does), and no trajectory is trained twice.
+- one log line per step (reward, masked-token fraction, mean |r - 1|, staleness histogram, dropped and
+  padded counts, trajectories/s, trainer idle fraction) and the same record in out_dir/metrics.jsonl, with
+  the held-out reward of every eval task every eval_every steps (and at step 0 and the end).
+
+At scale the replicas are URLs and a push writes the weights to storage every replica reads (what runs
+here: save_pretrained to out_dir/push, then the HTTP call); a torch.distributed broadcast group from the
+trainer's ranks to the replicas' would skip the disk and is not built.
 
 Run it:
-    python rl_async.py configs/rl_toy.py        # the loop: 2 serve.py replicas of the toy SFT checkpoint
+    python rl_async.py configs/rl_toy.py        # the toy run: 2 serve.py replicas of the toy SFT model
     python rl_async.py configs/rl_toy.py --mode=sync --max_steps=5   # any setting as --key=value
-Tests: python -m pytest -q tests/test_rl_async.py
+    python rl_async.py configs/rl_toy.py --resume=True                # continue a killed run exactly
+    python rl_async.py configs/rl_toy.py --replicas=http://10.0.0.5:8000,http://10.0.0.6:8000
+Tests: python -m pytest -q tests/test_rl.py tests/test_rl_async.py
+
+Honest limits: the trainer is one process (rl.rl_step on one device): train.py's torchrun / FSDP2 / expert
+parallel path is not wired into it yet, so the full config's RL does not run as-is; the learning rates,
+eps bands, K and tau are ours (GLM-5 does not publish its RL ones); rollout_timeout counts from a rollout's
+submission, its wait for a worker included; a timed-out rollout's thread cannot be killed (it holds its
+pool's worker until its HTTP timeout or its environment returns); a push goes to the replicas one after
+another, so for a moment they serve different versions (each token is tagged with its own, and the
+staleness filter sees it); the async/sync equality and exact resume hold with the replicas' prefix cache off
+and one rollout at a time per task (a cache hit, or another request in the same engine batch, moves a
+logprob by a few ulps).
 """
 
 import ast
 import atexit
+import dataclasses
 import difflib
 import json
 import os
@@ -48,7 +90,7 @@ import serve
 import weights
 from rl import build_ring, filter_buffer, hash64, release, remove_replica, route
 from rollout import Trajectory
-
+from train import save_checkpoint
 
 # -----------------------------------------------------------------------------
 # The training loop: settings
@@ -56,12 +98,17 @@ from rollout import Trajectory
 # Plain globals, as train.py has them; a configs/*.py file (plain assignments), then --key=value, override
 # them. configs/rl_toy.py sets the toy run.
 
-init_from = "out_sft/ckpt.pt"  # the policy to start from: train.py's ckpt.pt or a save_pretrained directory
-out_dir = "out_rl"  # metrics.jsonl and the pushed weights (out_dir/push/v<step>) go here
+init_from = "out_sft_toy/ckpt.pt"  # the policy to start from: a ckpt.pt (train.py's or ours) or a directory
+out_dir = "out_rl"  # ckpt.pt, metrics.jsonl and the pushed weights (out_dir/push/v<step>) go here
+stage = "agentic"  # "reasoning", "agentic", "general" or "distill": picks the loss (see STAGE_LOSS)
+teachers = ""  # distill: each task's teacher, "math:0=out_rl_reasoning/ckpt.pt,search:0=..."
+resume = False  # continue from out_dir/ckpt.pt: weights, optimizers, step, the orchestrator's state
+ckpt_every = 5  # write out_dir/ckpt.pt every this many steps (and at the end)
 mode = "async"  # "async": rollouts run on while the trainer steps; "sync": generate a batch, then train
 replicas = ""  # comma-separated replica URLs (a cluster's); empty: start num_replicas serve.py processes
 num_replicas = 2  # serve.py processes rl_async.py starts on free loopback ports (and stops at exit)
 tasks = "math:0:1"  # the task mix: env name (envs.ENVS):difficulty:weight, comma-separated
+eval_tasks = ""  # more tasks ("name:difficulty", comma-separated) to evaluate on: earlier stages' tasks
 task_concurrency = 4  # at most this many rollouts of one task run at once (its thread pool's size)
 group_size = 4  # G: rollouts per prompt (same env, same seed), compared by group_advantages
 groups_per_step = 4  # groups in one trainer batch
@@ -69,7 +116,6 @@ ahead = 1  # async: keep up to (1 + ahead) * groups_per_step groups in flight or
 tau = 1  # staleness: drop a trajectory sampled more than tau versions before the trainer's current one
 push_every = 1  # K: save and push the weights to every replica every K steps (version = step)
 reset_on_push = False  # the optional optimizer reset after a push
-loss_kind = "agentic"  # "agentic" (double-sided importance sampling) or "reasoning" (GRPO + IcePop)
 max_steps = 20  # trainer steps
 lr_muon = 2e-3  # placeholders: GLM-5 does not publish its RL learning rates
 lr_adamw = 3e-4
@@ -88,6 +134,8 @@ LOOP_DEFAULTS = {
     for k, v in list(globals().items())
     if not k.startswith("_") and k.islower() and isinstance(v, (bool, int, float, str))
 }
+
+STAGE_LOSS = {"reasoning": "reasoning", "agentic": "agentic", "general": "agentic", "distill": "distill"}
 
 
 def resolve_config(argv):
@@ -124,10 +172,36 @@ def resolve_config(argv):
             if type(value) is not type(like):
                 raise SystemExit(f"{where}: {key} must be {type(like).__name__} like {like!r}, got {value!r}")
             cfg[key] = value
+    check_config(cfg)
+    return cfg
+
+
+def check_config(cfg):
+    """One sentence for a setting that cannot work together with the others."""
     if cfg["mode"] not in ("async", "sync"):
         raise SystemExit(f"mode must be 'async' or 'sync', got {cfg['mode']!r}")
-    parse_tasks(cfg["tasks"])
-    return cfg
+    if cfg["stage"] not in STAGE_LOSS:
+        raise SystemExit(f"stage must be one of {', '.join(STAGE_LOSS)}, got {cfg['stage']!r}")
+    mix = parse_tasks(cfg["tasks"])
+    parse_eval_tasks(cfg["eval_tasks"])
+    teachers = parse_teachers(cfg["teachers"])
+    if cfg["stage"] == "distill":
+        if cfg["group_size"] != 1:
+            raise SystemExit(
+                "stage distill samples one rollout per prompt (its advantage needs no group): "
+                "set group_size=1"
+            )
+        missing = [f"{n}:{d}" for n, d, _ in mix if f"{n}:{d}" not in teachers]
+        if missing:
+            raise SystemExit(
+                f"stage distill needs a teacher for every task; none for {', '.join(missing)}: add "
+                f"--teachers={missing[0]}=PATH (an earlier stage's ckpt.pt)"
+            )
+    elif teachers:
+        raise SystemExit(f"teachers are for stage distill; this is stage {cfg['stage']}: drop --teachers")
+    for key in ("group_size", "groups_per_step", "max_steps", "push_every", "ckpt_every", "task_concurrency"):
+        if cfg[key] < 1:
+            raise SystemExit(f"{key} must be at least 1, got {cfg[key]}")
 
 
 def parse_tasks(spec):
@@ -140,6 +214,29 @@ def parse_tasks(spec):
                 f"task {item!r}: write name:difficulty:weight with a name from {', '.join(envs.ENVS)}"
             )
         out.append((parts[0], int(parts[1]), float(parts[2])))
+    return out
+
+
+def parse_eval_tasks(spec):
+    """ "math:0,search:0" -> [(name, difficulty)]; empty -> []."""
+    out = []
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        parts = item.split(":")
+        if len(parts) != 2 or parts[0] not in envs.ENVS or not parts[1].isdigit():
+            names = ", ".join(envs.ENVS)
+            raise SystemExit(f"eval task {item!r}: write name:difficulty with a name from {names}")
+        out.append((parts[0], int(parts[1])))
+    return out
+
+
+def parse_teachers(spec):
+    """ "math:0=out_a/ckpt.pt,search:0=out_b" -> {"math:0": "out_a/ckpt.pt", "search:0": "out_b"}."""
+    out = {}
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        if "=" not in item:
+            raise SystemExit(f"teacher {item!r}: write task=path, e.g. math:0=out_rl_reasoning/ckpt.pt")
+        task, path = item.split("=", 1)
+        out[task.strip()] = path.strip()
     return out
 
 
@@ -158,38 +255,49 @@ def free_port():
         return s.getsockname()[1]
 
 
-def start_replicas(ckpt, n, wait=300.0):
-    """n `python serve.py --ckpt ckpt` processes on free loopback ports -> (urls, processes), once each
-    answers GET /health. The caller stops them (stop_replicas; main registers it at exit)."""
+def launch_replica(ckpt, port):
+    """One `python serve.py --ckpt ckpt --port port` process (CPU, one thread: replicas share the cores)."""
     here = os.path.dirname(os.path.abspath(__file__))
-    urls, procs = [], []
+    cmd = [sys.executable, os.path.join(here, "serve.py"), "--ckpt", ckpt, "--port", str(port)]
+    cmd += ["--device", "cpu"]
+    return subprocess.Popen(cmd, env=os.environ | {"OMP_NUM_THREADS": "1"})
+
+
+def wait_healthy(url, proc, deadline):
+    """Wait until url answers GET /health -> None, or a sentence saying why it never will."""
+    while True:
+        if proc is not None and proc.poll() is not None:
+            return f"the replica for {url} exited with code {proc.returncode}; see its error above"
+        try:
+            if requests.get(url + "/health", timeout=2).status_code == 200:
+                return None
+        except requests.RequestException:
+            pass
+        if time.time() > deadline:
+            return f"the replica at {url} did not answer /health in time"
+        time.sleep(0.5)
+
+
+def start_replicas(ckpt, n, wait=300.0):
+    """n serve.py processes of ckpt on free loopback ports -> (urls, {url: process}), once each answers
+    GET /health. The caller stops them (stop_replicas; main registers it at exit)."""
+    procs = {}
     for _ in range(n):
-        port = free_port()
-        cmd = [sys.executable, os.path.join(here, "serve.py"), "--ckpt", ckpt, "--port", str(port)]
-        cmd += ["--device", "cpu"]
-        procs.append(subprocess.Popen(cmd, env=os.environ | {"OMP_NUM_THREADS": "1"}))
-        urls.append(f"http://127.0.0.1:{port}")
+        procs[f"http://127.0.0.1:{free_port()}"] = None
+    for url in procs:
+        procs[url] = launch_replica(ckpt, int(url.rsplit(":", 1)[1]))
     deadline = time.time() + wait
-    for url, p in zip(urls, procs):
-        while True:
-            if p.poll() is not None:
-                stop_replicas(procs)
-                raise SystemExit(
-                    f"the replica for {url} exited with code {p.returncode}; see its error above"
-                )
-            try:
-                if requests.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except requests.ConnectionError:
-                pass
-            if time.time() > deadline:
-                stop_replicas(procs)
-                raise SystemExit(f"the replica at {url} did not answer /health within {wait:.0f} s")
-            time.sleep(0.5)
-    return urls, procs
+    for url, p in procs.items():
+        why = wait_healthy(url, p, deadline)
+        if why:
+            stop_replicas(procs)
+            raise SystemExit(why)
+    return list(procs), procs
 
 
 def stop_replicas(procs):
+    """Stop the serve.py processes of {url: process} (or a list of processes)."""
+    procs = list(procs.values()) if isinstance(procs, dict) else list(procs)
     for p in procs:
         if p.poll() is None:
             p.terminate()
@@ -200,21 +308,38 @@ def stop_replicas(procs):
             p.kill()
 
 
+def process_restarter(procs, ckpt, wait=120.0):
+    """-> restart(url): relaunch a dead serve.py process of procs on its own port (from ckpt, the initial
+    weights; the caller then pushes the current ones) and wait for it; True once it answers."""
+
+    def restart(url):
+        p = procs.get(url)
+        if p is None or p.poll() is None:
+            return False  # not ours, or still running (a hung one is not killed here)
+        procs[url] = launch_replica(ckpt, int(url.rsplit(":", 1)[1]))
+        return wait_healthy(url, procs[url], time.time() + wait) is None
+
+    return restart
+
+
+def load_weights(url, directory, version):
+    """POST /update_weights_from_disk: the replica loads the save_pretrained directory as `version`.
+    -> True, or False if it does not answer (raises if it answers with an error)."""
+    body = {"model_path": os.path.abspath(directory), "weight_version": version}
+    try:
+        resp = requests.post(url + "/update_weights_from_disk", json=body, timeout=600)
+    except requests.ConnectionError:
+        return False
+    if resp.status_code != 200:
+        raise RuntimeError(f"the replica at {url} refused the weights: {resp.text[:300]}")
+    return True
+
+
 def push_weights(m, urls, directory, version, dtype=torch.float32):
     """Save the trainer's weights and have every replica load them as `version`. -> the URLs that did not
     answer (dead replicas, for the router to drop)."""
     weights.save_pretrained(m, directory, dtype=dtype)
-    dead = []
-    for url in urls:
-        body = {"model_path": os.path.abspath(directory), "weight_version": version}
-        try:
-            resp = requests.post(url + "/update_weights_from_disk", json=body, timeout=600)
-        except requests.ConnectionError:
-            dead.append(url)
-            continue
-        if resp.status_code != 200:
-            raise RuntimeError(f"the replica at {url} refused the weights: {resp.text[:300]}")
-    return dead
+    return [url for url in urls if not load_weights(url, directory, version)]
 
 
 # -----------------------------------------------------------------------------
@@ -230,7 +355,7 @@ class SeededGateway(rollout.Gateway):
 
 
 class ReplicaGone(Exception):
-    """Every replica is dead: nothing is left to generate with."""
+    """Every replica is dead and none can be brought back: nothing is left to generate with."""
 
 
 class Orchestrator:
@@ -242,18 +367,21 @@ class Orchestrator:
     rollout_timeout gives one failed Trajectory: group_filter drops it.
 
     submit() starts the next group; ready(n) waits for n finished groups and returns their trajectories,
-    lowest group index first."""
+    lowest group index first. revive(url), if given, restarts a dead replica (True once it answers); a dead
+    replica that answers again gets the last pushed weights (`latest`) and rejoins the ring."""
 
-    gateway_class = SeededGateway  # the rollout.Gateway subclass each rollout talks through (a bench swaps it)
+    # the rollout.Gateway subclass each rollout talks through (a benchmark swaps it)
+    gateway_class = SeededGateway
 
-    def __init__(self, urls, tok, cfg):
+    def __init__(self, urls, tok, cfg, revive=None):
         self.tok = tok
         self.cfg = cfg
         self.mix = parse_tasks(cfg["tasks"])
         self.rng = random.Random(cfg["seed"])
+        tasks = [(name, d) for name, d, _ in self.mix] + parse_eval_tasks(cfg["eval_tasks"])
         self.pools = {
-            (name, d): ThreadPoolExecutor(cfg["task_concurrency"], thread_name_prefix=f"{name}{d}")
-            for name, d, _ in self.mix
+            task: ThreadPoolExecutor(cfg["task_concurrency"], thread_name_prefix=f"{task[0]}{task[1]}")
+            for task in dict.fromkeys(tasks)
         }
         self.next_seed = {(name, d): cfg["seed"] for name, d, _ in self.mix}
         self.urls = list(urls)
@@ -261,11 +389,36 @@ class Orchestrator:
         self.where = {}
         self.loads = dict.fromkeys(self.urls, 0)
         self.lock = threading.Lock()  # the router's state, shared by every worker
-        self.groups = {}  # group index -> [(future, started), ...]
+        self.groups = {}  # group index -> [(future, rollout id), ...], submitted and not yet collected
+        self.spec = {}  # group index -> (name, difficulty, task seed), until the trainer has used it
         self.submitted = 0
-        self.dead = []  # replicas dropped from the ring
+        self.dead = []  # replicas out of the ring
+        self.revive = revive
+        self.revived = 0
+        self.tried = {}  # url -> when revive last tried it
+        self.latest = None  # (directory, version) of the last push: what a replica rejoins with
         self.failures = Counter()  # failed rollouts by cause, for the log
         self.started = {}  # rollout id -> when it was submitted
+
+    # the state a checkpoint keeps, so a resumed run draws the same tasks and seeds
+    def state(self):
+        return {
+            "rng": self.rng.getstate(),
+            "next_seed": [[name, d, s] for (name, d), s in self.next_seed.items()],
+            "submitted": self.submitted,
+            "pending": sorted(self.spec.items()),
+            "failures": dict(self.failures),
+        }
+
+    def restore(self, state):
+        """Take a checkpoint's state and play its untrained groups again, same ids, same seeds."""
+        self.rng.setstate(state["rng"])
+        for name, d, s in state["next_seed"]:
+            self.next_seed[name, d] = s
+        self.submitted = state["submitted"]
+        self.failures.update(state["failures"])
+        for g, (name, d, task_seed) in state["pending"]:
+            self.launch(g, name, d, task_seed)
 
     def train_seed(self, name, d):
         """The next seed of this task whose prompt is in the training split (never a held-out task)."""
@@ -275,14 +428,26 @@ class Orchestrator:
 
     def submit(self):
         name, d, _ = self.rng.choices(self.mix, weights=[w for *_, w in self.mix])[0]
-        task_seed = self.train_seed(name, d)
         g = self.submitted
         self.submitted += 1
+        self.launch(g, name, d, self.train_seed(name, d))
+
+    def launch(self, g, name, d, task_seed):
+        self.spec[g] = (name, d, task_seed)
         pool = self.pools[name, d]
         rids = [f"g{g}-{k}" for k in range(self.cfg["group_size"])]
         for rid in rids:
             self.started[rid] = time.time()  # the timeout counts from here, its wait in the queue included
         self.groups[g] = [(pool.submit(self.play, name, d, task_seed, rid, g), rid) for rid in rids]
+
+    def task_of(self, g):
+        name, d, _ = self.spec[g]
+        return f"{name}:{d}"
+
+    def used(self, groups):
+        """The trainer is done with these groups (trained or dropped): a checkpoint no longer replays them."""
+        for g in groups:
+            self.spec.pop(g, None)
 
     def in_flight(self):
         return len(self.groups)
@@ -298,11 +463,37 @@ class Orchestrator:
                 self.urls.remove(url)
                 self.dead.append(url)
 
+    def add_replica(self, url):
+        """A replica back in the ring: new rollouts may land on it; live ones stay where they are."""
+        with self.lock:
+            if url in self.dead:
+                self.dead.remove(url)
+            self.urls.append(url)
+            self.loads[url] = 0
+            self.ring = build_ring(self.urls)
+
+    def revive_dead(self, every=2.0):
+        """Try to bring each dead replica back (restart it if it is ours, else see if it answers), at most
+        once per `every` seconds each; one that answers loads the last pushed weights and rejoins."""
+        for url in list(self.dead):
+            if time.time() - self.tried.get(url, 0.0) < every:
+                continue
+            self.tried[url] = time.time()
+            if not (self.revive and self.revive(url)) and not answers(url):
+                continue
+            if self.latest and not load_weights(url, *self.latest):
+                continue
+            self.add_replica(url)
+            self.revived += 1
+
     def play(self, name, d, task_seed, rid, g):
         """One rollout on one replica -> its Trajectory records (one failed one when it crashed)."""
         while True:
             if not self.loads:
-                raise ReplicaGone("every rollout replica is dead")
+                if self.revive is None:
+                    raise ReplicaGone("every rollout replica is dead and none was started here to restart")
+                time.sleep(0.2)  # the trainer's thread is restarting them; the timeout still runs
+                continue
             url = self.pick(rid)
             gw = self.gateway_class(
                 url,
@@ -352,23 +543,26 @@ class Orchestrator:
         return out
 
     def ready(self, n):
-        """Wait until n groups are finished -> their trajectories and the seconds spent waiting."""
+        """Wait until n groups are finished -> (their group indices, their trajectories, the seconds spent
+        waiting). Dead replicas are revived while it waits."""
         t0 = time.time()
         while sum(self.group_done(g) for g in self.groups) < n:
+            if self.dead:
+                self.revive_dead()
             time.sleep(0.01)
         done = sorted(g for g in self.groups if self.group_done(g))[:n]
-        return [t for g in done for t in self.collect(g)], time.time() - t0
+        return done, [t for g in done for t in self.collect(g)], time.time() - t0
 
     def evaluate(self, episodes, step=0):
-        """Mean reward per task over `episodes` held-out seeds, one sample each at the training temperature,
-        on the replicas' current weights (a failed episode counts 0)."""
+        """Mean reward per task (the mix's and eval_tasks) over `episodes` held-out seeds, one sample each at
+        the training temperature, on the replicas' current weights (a failed episode counts 0)."""
         out = {}
-        for name, d, _ in self.mix:
+        for name, d in self.pools:
             held = envs.seeds(envs.ENVS[name](d), "heldout", episodes)
             pool = self.pools[name, d]
-            futures = [
-                pool.submit(self.play, name, d, s, f"eval{step}-{name}-{i}", -1) for i, s in enumerate(held)
-            ]
+            futures = []
+            for i, s in enumerate(held):
+                futures.append(pool.submit(self.play, name, d, s, f"eval{step}-{name}{d}-{i}", -1))
             rewards = []
             for f in futures:
                 trajs = f.result()
@@ -381,48 +575,109 @@ class Orchestrator:
             pool.shutdown(wait=False, cancel_futures=True)
 
 
+def answers(url):
+    try:
+        return requests.get(url + "/health", timeout=2).status_code == 200
+    except requests.RequestException:
+        return False
+
+
 def failed_trajectory(g, rid):
     return Trajectory(group=g, ids=[], mask=[], logprobs=[], versions=[], failed=True, rollout_id=rid)
+
+
+# -----------------------------------------------------------------------------
+# Checkpoints of the trainer
+
+
+def save_rl_checkpoint(m, optimizers, step, version, orch, cfg):
+    """out_dir/ckpt.pt, atomically, in train.py's layout (engine.load_model and serve.py read it) plus what
+    the loop needs to resume: the orchestrator's state."""
+    ckpt = {
+        "model": m.state_dict(),
+        "muon": optimizers[0].state_dict(),
+        "adamw": optimizers[1].state_dict(),
+        "step": step,
+        "version": version,
+        "config": {"model": dataclasses.asdict(m.config), "train": {"stage": f"rl_{cfg['stage']}"}},
+        "rl": {"settings": cfg, "orchestrator": orch.state()},
+    }
+    save_checkpoint(ckpt, cfg["out_dir"])
+
+
+def load_teachers(cfg):
+    """{task: model} for stage distill, each teacher loaded once however many tasks share it."""
+    loaded = {}
+    out = {}
+    for task, path in parse_teachers(cfg["teachers"]).items():
+        if path not in loaded:
+            loaded[path] = engine.load_model(path)
+            loaded[path].requires_grad_(False)
+        out[task] = loaded[path]
+    return out
+
+
+def cut_metrics(path, step):
+    """Keep the records of steps up to `step` (a resumed run writes the later ones again)."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        keep = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
+    with open(path + ".tmp", "w") as f:
+        f.writelines(keep)
+    os.replace(path + ".tmp", path)
 
 
 # -----------------------------------------------------------------------------
 # The loop: generate, filter, train, push, log; async and sync are one path
 
 
-def train(m, tok, urls, cfg, log=print):
+def train(m, tok, urls, cfg, log=print, revive=None):
     """The RL loop over the replicas at urls. Each step: keep groups in flight (sync: exactly one batch,
     generated before the step trains; async: up to (1 + ahead) batches, generated while it trains), wait
     for groups_per_step finished groups, filter_buffer against the trainer's version, rl_step, push every
-    push_every steps, one log line and one JSONL record. -> the list of records."""
+    push_every steps, checkpoint every ckpt_every steps, one log line and one JSONL record. revive(url):
+    restarts a dead replica (see Orchestrator). -> the list of records of this run."""
     os.makedirs(cfg["out_dir"], exist_ok=True)
     metrics = os.path.join(cfg["out_dir"], "metrics.jsonl")
     optimizers = rl.build_optimizers(m, lr_muon=cfg["lr_muon"], lr_adamw=cfg["lr_adamw"])
-    orch = Orchestrator(urls, tok, cfg)
+    teacher = load_teachers(cfg) if cfg["stage"] == "distill" else None
+    orch = Orchestrator(urls, tok, cfg, revive)
     per_step = cfg["groups_per_step"]
     target = per_step if cfg["mode"] == "sync" else per_step * (1 + cfg["ahead"])
     version = 0  # the trainer's policy version: the steps taken; the replicas have the last pushed one
     records = []
     try:
-        if cfg["eval_every"]:
+        first = 1
+        if cfg["resume"]:
+            done, version = resume_from(m, optimizers, orch, cfg, log)
+            first = done + 1
+        elif cfg["eval_every"]:
             log(f"step 0: held-out reward {orch.evaluate(cfg['eval_episodes'], 0)}")
-        for step in range(1, cfg["max_steps"] + 1):
+        for step in range(first, cfg["max_steps"] + 1):
             t0 = time.time()
             while orch.in_flight() < target:
                 orch.submit()
-            batch, waited = orch.ready(per_step)
+            groups, batch, waited = orch.ready(per_step)
             kept, fstats = filter_buffer(batch, version, cfg["tau"], cfg["group_size"])
-            record = {"step": step, "version": version, "mode": cfg["mode"]}
+            record = {"step": step, "version": version, "mode": cfg["mode"], "stage": cfg["stage"]}
+            record["groups"] = groups
             if kept:
+                teachers = None
+                if teacher is not None:
+                    teachers = [teacher[orch.task_of(t.group)] for t in kept]
                 stats = rl.rl_step(
                     m,
                     optimizers,
                     kept,
-                    cfg["loss_kind"],
+                    STAGE_LOSS[cfg["stage"]],
+                    teacher=teachers,
                     grad_clip=cfg["grad_clip"],
                     temperature=cfg["temperature"],
                 )
                 version += 1
                 record.update(stats)
+            orch.used(groups)
             record.update(reward=mean([t.reward for t in batch if not t.failed]), **fstats)
             record["staleness"] = {str(k): n for k, n in fstats["staleness"].items()}  # JSON's keys
             record.update(trained=bool(kept), trajectories=len(kept))
@@ -430,11 +685,14 @@ def train(m, tok, urls, cfg, log=print):
                 path = os.path.join(cfg["out_dir"], "push", f"v{version}")
                 for url in push_weights(m, orch.urls, path, version, getattr(torch, cfg["push_dtype"])):
                     orch.drop_replica(url)
+                orch.latest = (path, version)
                 if cfg["reset_on_push"]:
                     rl.reset_optimizers(optimizers)
+            if step % cfg["ckpt_every"] == 0 or step == cfg["max_steps"]:
+                save_rl_checkpoint(m, optimizers, step, version, orch, cfg)
             dt = time.time() - t0
             record.update(traj_per_s=len(batch) / dt, idle_frac=waited / dt, dead_replicas=list(orch.dead))
-            record["failures"] = dict(orch.failures)  # since the start, by cause
+            record.update(failures=dict(orch.failures), revived=orch.revived)  # since the start
             if cfg["eval_every"] and (step % cfg["eval_every"] == 0 or step == cfg["max_steps"]):
                 record["heldout_reward"] = orch.evaluate(cfg["eval_episodes"], step)
             log_line(record, log)
@@ -444,6 +702,31 @@ def train(m, tok, urls, cfg, log=print):
     finally:
         orch.close()
     return records
+
+
+def resume_from(m, optimizers, orch, cfg, log):
+    """Load out_dir/ckpt.pt into the trainer, give its weights to the replicas as its version, replay its
+    untrained groups, cut metrics.jsonl back to its step. -> (its step, its version)."""
+    path = os.path.join(cfg["out_dir"], "ckpt.pt")
+    if not os.path.isfile(path):
+        raise SystemExit(f"resume: no checkpoint at {path}; run without --resume=True first, or fix out_dir")
+    ck = torch.load(path, map_location="cpu", weights_only=False)
+    if "rl" not in ck:
+        raise SystemExit(f"resume: {path} is not an rl_async.py checkpoint; pass it as --init_from instead")
+    m.load_state_dict(ck["model"])
+    optimizers[0].load_state_dict(ck["muon"])
+    optimizers[1].load_state_dict(ck["adamw"])
+    step, version = ck["step"], ck["version"]
+    if version > 0:
+        push = os.path.join(cfg["out_dir"], "push", f"v{version}")
+        for url in push_weights(m, orch.urls, push, version, getattr(torch, cfg["push_dtype"])):
+            orch.drop_replica(url)
+        orch.latest = (push, version)
+    orch.restore(ck["rl"]["orchestrator"])
+    cut_metrics(os.path.join(cfg["out_dir"], "metrics.jsonl"), step)
+    pending = len(ck["rl"]["orchestrator"]["pending"])
+    log(f"resumed from {path} at step {step} (version {version}); {pending} untrained groups played again")
+    return step, version
 
 
 def mean(xs):
@@ -462,20 +745,30 @@ def log_line(r, log):
     log(line)
 
 
+# -----------------------------------------------------------------------------
+# The entry point: the policy, the replicas, the loop
+
+
 def main(argv):
     cfg = resolve_config(argv)
     print("settings:", json.dumps(cfg))
+    if not os.path.exists(cfg["init_from"]):
+        raise SystemExit(
+            f"no policy at {cfg['init_from']}; train one (README: the RL stages) or pass --init_from=PATH"
+        )
     torch.manual_seed(cfg["seed"])
     m = engine.load_model(cfg["init_from"])
     tok = serve.load_tokenizer(None, cfg["init_from"], m.config.vocab_size)
-    procs = []
+    procs = {}
+    revive = None
     urls = [u.strip() for u in cfg["replicas"].split(",") if u.strip()]
     if not urls:
         urls, procs = start_replicas(cfg["init_from"], cfg["num_replicas"])
         atexit.register(stop_replicas, procs)
+        revive = process_restarter(procs, cfg["init_from"])
     print(f"replicas: {', '.join(urls)}")
     try:
-        train(m, tok, urls, cfg)
+        train(m, tok, urls, cfg, revive=revive)
     finally:
         stop_replicas(procs)
 

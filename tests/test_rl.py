@@ -486,6 +486,23 @@ def test_distillation_step_and_the_kinds():
         rl.collate([bad])
 
 
+def test_per_trajectory_teachers_score_each_row_with_its_own():
+    """Cross-stage distillation with one teacher per task: each row's teacher logprobs are its own
+    teacher's, as if that teacher scored the whole batch."""
+    m = tiny_policy(4)
+    a, b = tiny_policy(5), tiny_policy(6)
+    ids = rl.collate(on_policy_batch(m, 5))[0]  # (6, T)
+    which = [a, b, b, a, b, a]
+    with torch.no_grad():
+        got = rl.teacher_logprobs(which, ids)
+        full = {id(a): rl.token_logprobs(a, ids), id(b): rl.token_logprobs(b, ids)}
+    for i, t in enumerate(which):
+        torch.testing.assert_close(got[i], full[id(t)][i], rtol=1e-10, atol=1e-12)
+    assert not torch.allclose(full[id(a)], full[id(b)])  # the two teachers really differ
+    with pytest.raises(ValueError, match="one per trajectory"):
+        rl.teacher_logprobs([a, b], ids)
+
+
 def test_optimizer_reset_is_a_fresh_optimizer():
     import copy
 

@@ -4,6 +4,7 @@ async with staleness 0 reproducing the sync step, a killed replica routed around
 resume, the stages and distillation (a few seconds each)."""
 
 import json
+import math
 import os
 import random
 import threading
@@ -19,6 +20,7 @@ import model
 import rl
 import rl_async
 import serve
+import weights
 from tokenizer import CHAT_TOKENS, Tokenizer, train_bpe
 
 
@@ -81,11 +83,11 @@ def loop(tok, tmp_path, monkeypatch):
         m.lm_head.register_forward_hook(lambda mod, inp, out: out + bias.to(out.dtype))
         return m
 
-    def make(n, prefix_cache=True):
+    def make(n, prefix_cache=True, port=0):
         urls = []
         for _ in range(n):
             eng = engine.Engine(policy(), tok, num_pages=256, page_size=16, prefix_cache=prefix_cache)
-            srv, stop = serve.make_server(eng, port=0, model_name="tiny")
+            srv, stop = serve.make_server(eng, port=port, model_name="tiny")
             threading.Thread(target=srv.serve_forever, daemon=True).start()
             servers.append((srv, stop))
             urls.append(f"http://127.0.0.1:{srv.server_address[1]}")
@@ -199,3 +201,145 @@ def test_a_killed_replica_is_routed_around(loop, monkeypatch):
     assert [r["step"] for r in records] == [1, 2, 3] and all(r["trained"] for r in records)
     assert records[-1]["dead_replicas"] == [urls[0]] and records[-1]["failed"] == 0
     assert servers[1][0].engine.version == 3
+
+
+# -----------------------------------------------------------------------------
+# Checkpoints, exact resume, replica restart, the stages
+
+
+DETERMINISTIC = "step version groups reward loss grad_norm masked_frac abs_r_minus_1 staleness trajectories"
+
+
+def same_records(a, b):
+    """The records agree on everything but timing."""
+
+    def keep(records):
+        return [{k: r.get(k) for k in DETERMINISTIC.split()} for r in records]
+
+    return keep(a) == keep(b)
+
+
+class Killed(Exception):
+    pass
+
+
+def kill_at(monkeypatch, step_no):
+    """The trainer dies in its step_no-th rl_step (before touching the weights), as a killed process would."""
+    real = rl.rl_step
+    calls = []
+
+    def dying(*args, **kw):
+        calls.append(1)
+        if len(calls) == step_no:
+            raise Killed
+        return real(*args, **kw)
+
+    monkeypatch.setattr(rl, "rl_step", dying)
+
+
+def test_a_killed_trainer_resumes_exactly_in_sync_mode(loop, monkeypatch, tmp_path):
+    make, settings = loop
+    base = settings | dict(mode="sync", max_steps=4, ckpt_every=2)
+    # without the prefix cache and one rollout at a time, a replay samples the same tokens (see the docstring)
+    urls, servers, straight = make(2, prefix_cache=False)
+    whole = rl_async.train(straight, m_tok(servers), urls, base | dict(out_dir=str(tmp_path / "a")))
+
+    cfg = base | dict(out_dir=str(tmp_path / "b"))
+    urls, servers, m = make(2, prefix_cache=False)
+    with monkeypatch.context() as mp:
+        kill_at(mp, 3)
+        with pytest.raises(Killed):
+            rl_async.train(m, m_tok(servers), urls, cfg, log=lambda s: None)
+    urls, servers, m = make(2, prefix_cache=False)  # fresh replicas and a fresh process's model
+    rest = rl_async.train(m, m_tok(servers), urls, cfg | dict(resume=True), log=lambda s: None)
+    assert [r["step"] for r in rest] == [3, 4]
+    lines = [json.loads(x) for x in open(os.path.join(cfg["out_dir"], "metrics.jsonl"))]
+    assert same_records(lines, whole)  # steps 1-2 before the kill, 3-4 after: as if never killed
+    a, b = straight.state_dict(), m.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert all(srv.engine.version == 4 for srv, _ in servers)
+
+
+def test_async_resume_trains_no_group_twice_and_loses_none(loop, monkeypatch):
+    make, settings = loop
+    cfg = settings | dict(mode="async", ahead=2, max_steps=5, ckpt_every=2, tau=3)
+    urls, servers, m = make(2)
+    with monkeypatch.context() as mp:
+        kill_at(mp, 4)
+        with pytest.raises(Killed):
+            rl_async.train(m, m_tok(servers), urls, cfg, log=lambda s: None)
+    ck = torch.load(os.path.join(cfg["out_dir"], "ckpt.pt"), weights_only=False)
+    assert ck["step"] == 2 and ck["rl"]["orchestrator"]["pending"]  # groups were in flight at the save
+    urls, servers, m = make(2)
+    rl_async.train(m, m_tok(servers), urls, cfg | dict(resume=True), log=lambda s: None)
+    lines = [json.loads(x) for x in open(os.path.join(cfg["out_dir"], "metrics.jsonl"))]
+    assert [r["step"] for r in lines] == [1, 2, 3, 4, 5]
+    trained = [g for r in lines for g in r["groups"]]
+    assert sorted(trained) == list(range(5 * cfg["groups_per_step"]))  # each group once, none skipped
+
+
+def test_a_dead_replica_is_restarted_and_rejoins_with_the_current_weights(loop, monkeypatch, tok):
+    make, settings = loop
+    urls, servers, m = make(2)
+    real = rl.rl_step
+    restarted = []
+
+    def kill_one_then_step(*args, **kw):
+        srv, stop = servers[0]
+        if srv.socket.fileno() != -1 and not restarted:
+            srv.shutdown()
+            srv.server_close()
+        return real(*args, **kw)
+
+    def revive(url):
+        """What process_restarter does for a serve.py process: a new server of the initial weights on the
+        same port (here in this process)."""
+        if url != urls[0] or restarted:
+            return False
+        fresh, _, _ = make_on_port(make, int(url.rsplit(":", 1)[1]))
+        restarted.append(fresh)
+        return True
+
+    monkeypatch.setattr(rl, "rl_step", kill_one_then_step)
+    cfg = settings | dict(mode="sync", max_steps=4)
+    records = rl_async.train(m, m_tok(servers), urls, cfg, log=lambda s: None, revive=revive)
+    assert all(r["trained"] for r in records) and restarted
+    assert records[-1]["revived"] == 1 and records[-1]["dead_replicas"] == []
+    assert restarted[0].engine.version == 4  # it loaded the pushed weights and took the later pushes
+
+
+def make_on_port(make, port):
+    """A loopback replica of the loop fixture's policy on a given port (a restarted process)."""
+    urls, servers, m = make(1, port=port)
+    return servers[0][0], urls[0], m
+
+
+def test_the_distill_stage_runs_with_a_teacher_per_task(loop, tmp_path):
+    make, settings = loop
+    urls, servers, m = make(1)
+    teacher_dir = str(tmp_path / "teacher")
+    teacher = randomize(model.GLM5(m.config), seed=9)
+    weights.save_pretrained(teacher, teacher_dir)
+    cfg = settings | dict(mode="sync", stage="distill", group_size=1, teachers=f"coin:0={teacher_dir}")
+    records = rl_async.train(m, m_tok(servers), urls, cfg, log=lambda s: None)
+    assert all(r["trained"] and r["stage"] == "distill" and r["trajectories"] == 2 for r in records)
+    assert all(math.isfinite(r["loss"]) for r in records)
+
+
+def test_stage_settings_are_checked():
+    def resolve(*args):
+        return rl_async.resolve_config(list(args))
+
+    assert resolve("--stage=reasoning")["stage"] == "reasoning"
+    with pytest.raises(SystemExit, match="stage must be"):
+        resolve("--stage=ppo")
+    with pytest.raises(SystemExit, match="group_size=1"):
+        resolve("--stage=distill", "--teachers=math:0=x")
+    with pytest.raises(SystemExit, match="teacher for every task"):
+        resolve("--stage=distill", "--group_size=1", "--tasks=math:0:1,search:0:1", "--teachers=math:0=x")
+    with pytest.raises(SystemExit, match="teachers are for stage distill"):
+        resolve("--teachers=math:0=x")
+    with pytest.raises(SystemExit, match="eval task"):
+        resolve("--eval_tasks=math")
+    cfg = resolve("--stage=distill", "--group_size=1", "--teachers=math:0=out_a/ckpt.pt")
+    assert rl_async.parse_teachers(cfg["teachers"]) == {"math:0": "out_a/ckpt.pt"}
