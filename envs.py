@@ -1,6 +1,7 @@
 """
-Verifiable environments for RL (GLM-5 report, arXiv 2602.15763, its agentic RL sections: verifiable
-environments for coding, terminal work, search and reasoning, with rewards checked by the environment).
+Verifiable environments for RL (GLM-5 report, arXiv 2602.15763, its RL sections: verifiable environments
+for coding, terminal work, search and reasoning, with rewards checked by the environment, and the general
+RL stage's rule-based rewards).
 
 This file is the table of them (ENVS) and the one import for their users: rollout.py, sft_data.py and
 rl_async.py write envs.ENVS, envs.split_of, envs.MathEnv... Each family lives in its own file, one concept
@@ -15,6 +16,9 @@ each, on the API of env_base.py:
   state. Toy level: one command, or two (list notes/, then read the one file there).
 - search (env_search.py): an offline knowledge graph; tools search/open/find; multi-hop questions with
   unique answers. Toy level: a number copied from the hit of one search call.
+- general (env_general.py): one reply, no tools, a rule-based reward: format, length and language rules
+  mixed (a bulleted list of N items, at most N words, all lowercase...), and the name or topic mentioned.
+  Toy level: "Greet Mira in at most 4 words, ending with !".
 Difficulty runs from 0 to 5. Difficulty 0 is the toy level, tasks a 3M-parameter model learns by
 imitation, so that GRPO finds groups with different rewards before RL (rl_async.py); 1 to 5 get longer and
 deeper. Held-out tasks: split_of(prompt) (one task in five, by a hash of its text); seeds(env, split, n).
@@ -25,13 +29,14 @@ Run it:
 Tests: python -m pytest -q tests/test_envs.py tests/test_sandbox.py
 Honest limits: the tasks are small procedural families (one code family: list pipelines), not SWE-bench or
 the web; code and terminal need bubblewrap (sandbox.py) and refuse to run without it; the search engine is
-word overlap, not BM25.
+word overlap, not BM25; general's rules check form, not meaning, and no reward model scores the rest.
 """
 
 import sys
 
 from env_base import Env, boxed, call, seeds, show, split_of
 from env_code import CodeEnv
+from env_general import GeneralEnv
 from env_math import (
     MATH,
     MathEnv,
@@ -58,6 +63,7 @@ __all__ = [
     "RELATIONS",
     "CodeEnv",
     "Env",
+    "GeneralEnv",
     "MathEnv",
     "SearchEnv",
     "TerminalEnv",
@@ -81,7 +87,13 @@ __all__ = [
 # -----------------------------------------------------------------------------
 # The table of environments
 
-ENVS = {"math": MathEnv, "code": CodeEnv, "terminal": TerminalEnv, "search": SearchEnv}
+ENVS = {
+    "math": MathEnv,
+    "code": CodeEnv,
+    "terminal": TerminalEnv,
+    "search": SearchEnv,
+    "general": GeneralEnv,
+}
 
 # -----------------------------------------------------------------------------
 # python envs.py: one task per environment (python rollout.py plays them through the agent loop)

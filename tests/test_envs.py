@@ -1,4 +1,5 @@
-"""envs.py: every environment solved and failed, reward forging, math answer equivalence, determinism of
+"""envs.py: every environment solved and failed, reward forging, math answer equivalence, the general
+environment's rules (each check, and the grader against the test's own reading of the prompt), determinism of
 every generator. The agent loop is tested in test_rollout.py, the SFT export in test_sft_data.py; the sandbox
 itself is attacked in test_sandbox.py, and the code and terminal tests here need it too (CI has bwrap)."""
 
@@ -11,17 +12,20 @@ import random
 import re
 import subprocess
 import sys
+import unicodedata
 from fractions import Fraction
 
 import pytest
 
 import data
+import env_general
 import env_math
 import envs
 import sandbox
 import chat
+import rollout
 import sft_data
-from envs import CodeEnv, MathEnv, SearchEnv, TerminalEnv
+from envs import CodeEnv, GeneralEnv, MathEnv, SearchEnv, TerminalEnv
 from tokenizer import get_tokenizer
 
 ROOT = data.stdlib_root()
@@ -371,6 +375,198 @@ def test_search_tools_and_their_errors():
 
 
 # -----------------------------------------------------------------------------
+# General: rule-based rewards, each rule a pure check; the grader against the test's own reading of the prompt
+
+RULE_CASES = [
+    ("mention", "Mira", "Hello Mira!", True),
+    ("mention", "Mira", "HELLO MIRA", True),
+    ("mention", "Mira", "Mira's book", True),
+    ("mention", "José", "hello jose", True),
+    ("mention", "Mira", "Hello Miranda", False),
+    ("mention", "José", "Hello Jos", False),
+    ("mention", "Mira", "", False),
+    ("bullets", 2, "- tea\n- rain", True),
+    ("bullets", 2, "Here:\n* tea\n  * rain", True),
+    ("bullets", 2, "- tea\n- rain\n- snow", False),
+    ("bullets", 2, "-tea\n-rain", False),
+    ("bullets", 2, "- tea\n- !", False),
+    ("bullets", 2, "tea, rain", False),
+    ("end", "!", "Hello Mira!", True),
+    ("end", "!", "Hello Mira!  \n", True),
+    ("end", "!", "Hello Mira.", False),
+    ("end", "!", "", False),
+    ("end_word", "today", "See you today", True),
+    ("end_word", "today", "SEE YOU TODAY", True),
+    ("end_word", "today", "today", True),
+    ("end_word", "today", "See you today.", False),
+    ("end_word", "today", "yesterday", False),
+    ("end_word", "today", "", False),
+    ("boxed", "Mira", "Hi \\boxed{Mira}.", True),
+    ("boxed", "Mira", "hi \\boxed{ mira }", True),
+    ("boxed", "José", "\\boxed{Jose}", True),
+    ("boxed", "Mira", "Hi Mira", False),
+    ("boxed", "Mira", "\\boxed{Miranda}", False),
+    ("boxed", "Mira", "\\boxed{Mira} \\boxed{Mira}", False),
+    ("boxed", "Mira", "\\boxed{Mira} or \\boxed{Theo}", False),
+    ("max_words", 4, "Hello Mira!", True),
+    ("max_words", 2, "tea - ! rain", True),  # a dash or a mark alone is no word
+    ("max_words", 2, "one two three", False),
+    ("exact_words", 3, "one  two\nthree", True),
+    ("exact_words", 2, "don't stop", True),
+    ("exact_words", 3, "one two", False),
+    ("exact_words", 1, "", False),
+    ("lowercase", None, "hello mira, héllo!", True),
+    ("lowercase", None, "hello Mira", False),
+    ("lowercase", None, "hÉllo", False),
+    ("uppercase", None, "HELLO ZOË!", True),
+    ("uppercase", None, "HELLO MiRA", False),
+    ("uppercase", None, "ZOë", False),
+    ("no_digits", None, "three apples", True),
+    ("no_digits", None, "3 apples", False),
+    ("no_digits", None, "\u0663 apples", False),  # ARABIC-INDIC DIGIT THREE is a digit too
+    ("ascii", None, "Hello Jose!", True),
+    ("ascii", None, "Hello José", False),
+    ("ascii", None, "Привет", False),
+]
+
+
+@pytest.mark.parametrize("rule,arg,text,holds", RULE_CASES)
+def test_general_each_rule(rule, arg, text, holds):
+    check = env_general.RULES[rule][0]
+    assert check(text, arg) is holds, (rule, arg, text)
+
+
+def test_general_every_rule_has_cases_both_ways():
+    assert {(r, h) for r, _, _, h in RULE_CASES} == {(r, h) for r in env_general.RULES for h in (True, False)}
+
+
+def fold(text):
+    return unicodedata.normalize("NFKD", text).encode("ascii", "ignore").decode().lower()
+
+
+def rules_hold(prompt, text):
+    """The test's own reading of the prompt's rules and its own checks (not the env's tables): True when
+    text keeps every rule the prompt states."""
+    subject = re.match(
+        r"(?:Greet|Describe|Thank) (\S+?)(?: for the (\w+))?(?:,| in | as | with| ending| all)", prompt
+    )
+    assert subject, prompt
+    count = len([w for w in text.split() if re.search(r"[^\W_]", w)])
+    bullet_lines = [ln for ln in text.splitlines() if re.match(r"\s*[-*] ", ln)]
+    ok = all(re.search(rf"(?<!\w){fold(s)}(?!\w)", fold(text)) for s in subject.groups() if s)
+    if m := re.search(r"at most (\d+) words", prompt):
+        ok &= count <= int(m[1])
+    if m := re.search(r"exactly (\d+) words", prompt):
+        ok &= count == int(m[1])
+    if m := re.search(r"exactly (\d+) items", prompt):
+        ok &= len(bullet_lines) == int(m[1]) and all(re.search(r"[^\W_]", ln) for ln in bullet_lines)
+    if m := re.search(r"ending with the word (\w+)", prompt):
+        ok &= re.search(rf"(?<![^\W_]){m[1]}\s*$", text, re.I) is not None
+    elif "ending with !" in prompt:
+        ok &= text.rstrip().endswith("!")
+    if "\\boxed{}" in prompt:
+        ok &= [fold(b).strip() for b in re.findall(r"\\boxed\{([^{}]*)\}", text)] == [fold(subject[1])]
+    if "lowercase" in prompt:
+        ok &= text == text.lower()
+    if "capital letters" in prompt:
+        ok &= text == text.upper()
+    if "digits" in prompt:
+        ok &= not re.search(r"\d", text)
+    if "ASCII" in prompt:
+        ok &= all(ord(c) < 128 for c in text)
+    return bool(ok)
+
+
+@pytest.mark.parametrize("d", range(6))
+def test_general_env_solved_and_graded_as_the_prompt_says(d):
+    """solve() earns 1 on every seed; the empty reply and the rules said back earn 0; and on the reply and
+    twenty edits of it the grader agrees with the test's own reading of the prompt."""
+    env, verdicts = GeneralEnv(d), {True: 0, False: 0}
+    for seed in range(40):
+        prompt, tools = env.reset(seed)
+        assert tools == [] and solve(env, seed) == (1.0, "every rule holds"), (prompt, env.task)
+        env.reset(seed)
+        reply, said = env.task["reply"], env.task["mentions"]
+        echo = ", ".join(env_general.RULES[r][1].format(a) for r, a in env.task["rules"][len(said) :])
+        assert env.grade("") == (0.0, f"broke the rule: mention {said[0]}")
+        assert env.grade(echo)[0] == 0.0 and env.grade(echo)[1].startswith("broke the rule: mention"), echo
+        unnamed = reply
+        for s in said:
+            for form in (s, env_general.unaccent(s)):
+                unnamed = re.sub(re.escape(form), "someone", unnamed, flags=re.I)
+        edits = [
+            reply,
+            unnamed,
+            reply + " and a few more words here",
+            " ".join(reply.split()[:-1]),
+            reply + " " + reply,
+            reply.upper(),
+            reply.lower(),
+            reply.title(),
+            reply + " 7",
+            "7 " + reply,
+            reply[:-1],
+            reply.rstrip("!.") + ".",
+            reply + " café",
+            reply.replace("- ", ""),
+            reply + "\n- one more",
+            reply.replace("\\boxed{", "").replace("}", ""),
+            reply + " \\boxed{x}",
+            reply + " today",
+            env_general.unaccent(reply),
+            prompt,
+            echo,
+        ]
+        for text in edits:
+            reward, reason = env.grade(text)
+            assert (reward == 1.0) == rules_hold(prompt, text), (prompt, text, reason)
+            verdicts[reward == 1.0] += 1
+    assert verdicts[True] > 40 and verdicts[False] > 40 * 8, verdicts  # edits that keep the rules, and not
+
+
+def test_general_toy_level_is_short_regular_and_split():
+    """The toy level: one short instruction of three shapes, a two- or three-word reply, over a couple of
+    hundred distinct prompts; the prompt said back fails; held-out tasks are disjoint by text and never
+    exported for SFT."""
+    tok = get_tokenizer(4096, cache_dir=os.path.join(os.path.dirname(os.path.dirname(__file__)), "data"))
+    env, prompts = GeneralEnv(0), set()
+    for seed in range(300):
+        prompt, _ = env.reset(seed)
+        assert re.fullmatch(
+            r"(Greet|Describe) \w+ in at most \d words, "
+            r"(ending with !|with the name in \\boxed\{\}|all in lowercase letters)",
+            prompt,
+        ), prompt
+        assert 2 <= len(env_general.words(env.task["reply"])) <= 3 and env.grade(prompt)[0] == 0.0, prompt
+        prompts.add(prompt)
+    assert len(prompts) > 150, len(prompts)
+    messages, tools, reward, _ = sft_data.play_solution(env, 0)
+    ids, head = chat.render(messages, tok, tools=tools)[0], chat.render(messages[:2], tok, tools=tools)[0]
+    assert reward == 1.0 and len(ids) - len(head) + len(tok.encode_ordinary(messages[1]["content"])) < 80
+    train, heldout = envs.seeds(env, "train", 60), envs.seeds(env, "heldout", 15)
+    assert not {env.reset(s)[0] for s in train} & {env.reset(s)[0] for s in heldout}
+    convs = sft_data.sft_conversations("general", 40, seed=3, difficulties=(0,))
+    assert json.dumps(convs) == json.dumps(
+        sft_data.sft_conversations("general", 40, seed=3, difficulties=(0,))
+    )
+    assert all(envs.split_of(c["messages"][1]["content"]) == "train" for c in convs)
+    assert not {c["messages"][1]["content"] for c in convs} & {env.reset(s)[0] for s in heldout}
+
+
+@pytest.mark.parametrize("d", (0, 3, 5))
+def test_general_reply_survives_the_chat_template(d):
+    """The oracle's reply, rendered to ids and parsed back by the agent loop (bullets' newlines, \\boxed{},
+    accents), still earns 1; a tool call (there are no tools) ends the episode with 0."""
+    tok = get_tokenizer(4096, cache_dir=os.path.join(os.path.dirname(os.path.dirname(__file__)), "data"))
+    for seed in range(6):
+        env = GeneralEnv(d)
+        r = rollout.rollout(env, rollout.oracle_policy(env, tok), tok, seed=seed)
+        assert (r["reward"], r["turns"]) == (1.0, 1), (env.task, r["reason"])
+    env.reset(0)
+    assert env.step(tool("search", query="x"))[1:] == (0.0, True, "out of turns (1)")
+
+
+# -----------------------------------------------------------------------------
 # Determinism of every generator, across processes with different hash seeds
 
 DIGEST = """
@@ -401,7 +597,8 @@ def test_every_generator_is_deterministic_given_a_seed():
     )
     assert there.returncode == 0, there.stderr[-2000:]
     assert there.stdout.split() == [here["out"][0], str(here["out"][1])]
-    assert here["out"][1] == 4 * 4 * 3  # and different seeds or difficulties give different tasks
+    # and different seeds or difficulties give different tasks
+    assert here["out"][1] == len(envs.ENVS) * 4 * 3
 
 
 def test_terminal_files_differ_by_seed_and_match_the_generator():
