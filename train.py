@@ -96,6 +96,7 @@ sft_data_dir = "data/sft"  # tokenized SFT conversations and loss masks (sft_dat
 # a JSONL of more SFT conversations, e.g. solved environment episodes:
 # python sft_data.py --sft 50 data/sft_envs.jsonl
 sft_extra = ""
+sft_stdlib = True  # stage sft: include the standard-library conversations (False: sft_extra's only)
 tokenizer_vocab_size = 4096  # the BPE the data is tokenized with; must be <= the model's vocab_size
 batch_size = 8  # sequences per micro-batch
 block_size = 256  # training sequence length
@@ -213,6 +214,8 @@ def resolve_config(argv):
             raise SystemExit(f"{k} must be >= {need}, got {train_cfg[k]}")
     if train_cfg["schedule"] not in ("wsd", "cosine"):
         raise SystemExit(f"unknown schedule {train_cfg['schedule']!r}; choose 'wsd' or 'cosine'")
+    if stage == "sft" and not train_cfg["sft_stdlib"] and not train_cfg["sft_extra"]:
+        raise SystemExit("stage sft: sft_stdlib=False leaves no data; pass --sft_extra=FILE.jsonl too")
     return train_cfg, cfg
 
 
@@ -596,6 +599,7 @@ def prepare_data(cfg, master, distributed):
                 out_dir=sdir,
                 tokenizer=tok,
                 extra=sft_extra and os.path.join(here, sft_extra),
+                files=None if sft_stdlib else [],
             )
         except (FileNotFoundError, ValueError) as e:  # a missing or malformed sft_extra file
             raise SystemExit(f"stage sft: {e}") from None

@@ -102,6 +102,11 @@ def test_a_config_error_reaches_the_terminal_as_one_sentence():
     assert r.returncode == 1 and r.stderr.strip() == msg, r.stderr
 
 
+def test_sft_without_the_stdlib_needs_extra_conversations():
+    msg = config_error([*TINY, "--stage=sft", "--sft_stdlib=False"])
+    assert "--sft_extra" in msg, msg
+
+
 def test_unknown_key_in_config_file(tmp_path):
     cfg = tmp_path / "bad.py"
     cfg.write_text("batch_size = 2\ngrad_acum = 2\n")
