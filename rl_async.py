@@ -653,7 +653,12 @@ def train(m, tok, urls, cfg, log=print, revive=None):
             done, version = resume_from(m, optimizers, orch, cfg, log)
             first = done + 1
         elif cfg["eval_every"]:
-            log(f"step 0: held-out reward {orch.evaluate(cfg['eval_episodes'], 0)}")
+            record = {"step": 0, "version": 0, "mode": cfg["mode"], "stage": cfg["stage"]}
+            record["heldout_reward"] = orch.evaluate(cfg["eval_episodes"], 0)
+            log(f"step 0: held-out reward {record['heldout_reward']}")
+            with open(metrics, "a") as f:
+                f.write(json.dumps(record) + "\n")
+            records.append(record)
         for step in range(first, cfg["max_steps"] + 1):
             t0 = time.time()
             while orch.in_flight() < target:
@@ -747,11 +752,63 @@ def log_line(r, log):
 
 # -----------------------------------------------------------------------------
 # The entry point: the policy, the replicas, the loop
+#
+# The toy run starts from a policy that can solve toy-level tasks sometimes (GRPO learns nothing from groups
+# whose rewards are all equal): the README's train.py stages, then SFT on solved toy-level episodes. When
+# configs/rl_toy.py's init_from is missing, main makes it with these commands, each skipped when its
+# checkpoint is already there, and says so first.
+
+TOY_POLICY = "out_sft_toy/ckpt.pt"
+TOY_EPISODES = "data/sft_toy_episodes.jsonl"
+TOY_RECIPE = [  # (what the step writes, the command that writes it)
+    ("out/ckpt.pt", "train.py configs/toy.py"),
+    (
+        "out_warmup/ckpt.pt",
+        "train.py configs/toy.py --stage=dsa_warmup --init_from=out/ckpt.pt --out_dir=out_warmup",
+    ),
+    (
+        "out_sparse/ckpt.pt",
+        "train.py configs/toy.py --stage=dsa_sparse --init_from=out_warmup/ckpt.pt --out_dir=out_sparse",
+    ),
+    (
+        "out_sft/ckpt.pt",
+        "train.py configs/toy.py --stage=sft --init_from=out_sparse/ckpt.pt --out_dir=out_sft",
+    ),
+    (TOY_EPISODES, f"sft_data.py --sft 400 {TOY_EPISODES} --difficulty 0 --env math,search,terminal"),
+    (
+        TOY_POLICY,
+        "train.py configs/toy.py --stage=sft --init_from=out_sft/ckpt.pt --out_dir=out_sft_toy "
+        f"--sft_stdlib=False --sft_extra={TOY_EPISODES} --sft_data_dir=data/sft_toy --block_size=512 "
+        "--max_iters=300 --sample_tokens=0",
+    ),
+]
+
+
+def ensure_toy_policy(here=None):
+    """Make TOY_POLICY with train.py's stages if it is missing; every step whose output exists is skipped."""
+    here = here or os.path.dirname(os.path.abspath(__file__))
+    todo = [(p, c) for p, c in TOY_RECIPE if not os.path.exists(os.path.join(here, p))]
+    if not todo:
+        return
+    print(
+        f"no toy SFT policy at {TOY_POLICY}: making it first with train.py's stages and SFT on solved "
+        f"toy-level episodes ({len(todo)} steps left; about an hour on a 2-core CPU, once):"
+    )
+    for path, command in todo:
+        print(f"  python {command}", flush=True)
+    for path, command in todo:
+        print(f"==> python {command}", flush=True)
+        done = subprocess.run([sys.executable] + command.split(), cwd=here)
+        if done.returncode != 0:
+            raise SystemExit(f"making the toy policy stopped at `python {command}`; see its error above")
+
 
 
 def main(argv):
     cfg = resolve_config(argv)
     print("settings:", json.dumps(cfg))
+    if cfg["init_from"] == TOY_POLICY and not os.path.exists(TOY_POLICY):
+        ensure_toy_policy()
     if not os.path.exists(cfg["init_from"]):
         raise SystemExit(
             f"no policy at {cfg['init_from']}; train one (README: the RL stages) or pass --init_from=PATH"
@@ -768,9 +825,21 @@ def main(argv):
         revive = process_restarter(procs, cfg["init_from"])
     print(f"replicas: {', '.join(urls)}")
     try:
-        train(m, tok, urls, cfg, revive=revive)
+        records = train(m, tok, urls, cfg, revive=revive)
     finally:
         stop_replicas(procs)
+    print_curve(records, cfg)
+
+
+def print_curve(records, cfg):
+    """The learning curve: held-out reward per task at every evaluation (step 0 is in the log above)."""
+    evals = [r for r in records if "heldout_reward" in r]
+    if not evals:
+        return
+    print(f"learning curve ({cfg['mode']}, held-out reward, {cfg['eval_episodes']} episodes per task):")
+    for r in evals:
+        cells = ", ".join(f"{task} {v:.3f}" for task, v in r["heldout_reward"].items())
+        print(f"  step {r['step']:4d}: {cells}")
 
 
 if __name__ == "__main__":

@@ -125,8 +125,9 @@ def test_sync_loop_end_to_end_writes_its_jsonl(loop):
     cfg = settings | dict(mode="sync", eval_every=1, eval_episodes=2)
     records = rl_async.train(m, m_tok(servers), urls, cfg, log=lambda s: None)
     lines = [json.loads(x) for x in open(os.path.join(cfg["out_dir"], "metrics.jsonl"))]
-    assert lines == records and [r["step"] for r in lines] == [1, 2]
-    for r in lines:
+    assert lines == records and [r["step"] for r in lines] == [0, 1, 2]  # step 0: the starting point
+    assert set(lines[0]["heldout_reward"]) == {"coin:0"}
+    for r in lines[1:]:
         assert set(FIELDS) <= set(r), set(FIELDS) - set(r)
         assert r["staleness"] == {"0": 4} and r["trained"]  # sync: every token by the trainer's version
         assert set(r["heldout_reward"]) == {"coin:0"} and 0 <= r["heldout_reward"]["coin:0"] <= 1
