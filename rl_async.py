@@ -759,7 +759,6 @@ def log_line(r, log):
 # checkpoint is already there, and says so first.
 
 TOY_POLICY = "out_sft_toy/ckpt.pt"
-TOY_EPISODES = "data/sft_toy_episodes.jsonl"
 TOY_RECIPE = [  # (what the step writes, the command that writes it)
     ("out/ckpt.pt", "train.py configs/toy.py"),
     (
@@ -774,12 +773,28 @@ TOY_RECIPE = [  # (what the step writes, the command that writes it)
         "out_sft/ckpt.pt",
         "train.py configs/toy.py --stage=sft --init_from=out_sparse/ckpt.pt --out_dir=out_sft",
     ),
-    (TOY_EPISODES, f"sft_data.py --sft 400 {TOY_EPISODES} --difficulty 0 --env math,search,terminal"),
+    # solved toy-level episodes (envs.py's difficulty 0; held-out tasks are never written), first of three
+    # environments, then of four: the general one joined the toy run later, and the recipe keeps the order
+    # the measured policy was trained in
+    (
+        "data/sft_toy3.jsonl",
+        "sft_data.py --sft 400 data/sft_toy3.jsonl --difficulty 0 --env math,search,terminal",
+    ),
+    (
+        "data/sft_toy4.jsonl",
+        "sft_data.py --sft 400 data/sft_toy4.jsonl --difficulty 0 --env math,search,terminal,general",
+    ),
+    (
+        "out_sft_toy3/ckpt.pt",
+        "train.py configs/toy.py --stage=sft --init_from=out_sft/ckpt.pt --out_dir=out_sft_toy3 "
+        "--sft_stdlib=False --sft_extra=data/sft_toy3.jsonl --sft_data_dir=data/sft_toy3 --block_size=512 "
+        "--max_iters=200 --decay_frac=0.0 --sample_tokens=0",
+    ),
     (
         TOY_POLICY,
-        "train.py configs/toy.py --stage=sft --init_from=out_sft/ckpt.pt --out_dir=out_sft_toy "
-        f"--sft_stdlib=False --sft_extra={TOY_EPISODES} --sft_data_dir=data/sft_toy --block_size=512 "
-        "--max_iters=300 --sample_tokens=0",
+        "train.py configs/toy.py --stage=sft --init_from=out_sft_toy3/ckpt.pt --out_dir=out_sft_toy "
+        "--sft_stdlib=False --sft_extra=data/sft_toy4.jsonl --sft_data_dir=data/sft_toy4 --block_size=512 "
+        "--max_iters=400 --eval_interval=100 --sample_tokens=0",
     ),
 ]
 

@@ -23,6 +23,7 @@ Run it:
                                               # ⟦ ⟧), then build the SFT set and print its statistics
     python sft_data.py --sft 50 out.jsonl     # 50 solved conversations per environment
     python sft_data.py --sft 200 toy.jsonl --env math --difficulty 0   # the toy level of one environment
+    python sft_data.py --sft 400 toy.jsonl --env math,search --difficulty 0   # of several
 Tests: python -m pytest -q tests/test_sft_data.py
 Honest limits: the "assistant" only ever writes standard-library functions and answers questions about
 them, and all its reasoning (here and in the environment episodes) is a template filled from the code or
@@ -592,8 +593,11 @@ if __name__ == "__main__":
         path = rest[0] if rest and not rest[0].startswith("--") else "data/sft_envs.jsonl"
         names = tuple(envs.ENVS)
         difficulties = (1, 2, 3)
-        if "--env" in sys.argv:
-            names = (sys.argv[sys.argv.index("--env") + 1],)
+        if "--env" in sys.argv:  # one name, or several with commas: --env math,search
+            names = tuple(sys.argv[sys.argv.index("--env") + 1].split(","))
+            unknown = [name for name in names if name not in envs.ENVS]
+            if unknown:
+                raise SystemExit(f"--env {unknown[0]!r}: choose from {', '.join(envs.ENVS)}")
         if "--difficulty" in sys.argv:
             difficulties = (int(sys.argv[sys.argv.index("--difficulty") + 1]),)
         write_env_conversations(n, path, names, difficulties)
