@@ -250,7 +250,12 @@ class Gateway:
     prompt that does not raises TITOMismatch before anything is sent: we raise rather than mask the turn,
     because a rollout whose context silently changed is a bug in the agent loop, not a sample to keep.
     rollout() says when folding legitimately rewrites the context (new_segment): the next prompt then opens
-    a new segment. self.requests keeps every request as sent and answered."""
+    a new segment. self.requests keeps every request as sent and answered.
+
+    self.prompt_tokens and self.cached_tokens sum each response's usage over the rollout: the prompt tokens
+    the replica was sent, and how many of them its prefix cache already held (usage.prompt_tokens_details.
+    cached_tokens, OpenAI's field), so cached_tokens / prompt_tokens is the rollout's prefix-cache hit rate
+    (bench_rl.py compares it under the DP-aware router and round-robin)."""
 
     def __init__(self, url, rollout_id, temperature=1.0, max_tokens=256, timeout=120.0):
         self.url = url.rstrip("/") + "/v1/completions"
@@ -261,6 +266,8 @@ class Gateway:
         self.requests = []  # per request: prompt, completion, logprobs, versions, finish_reason
         self.segments = []  # the record: {"ids", "mask", "logprobs", "versions"}, aligned per token
         self.fresh = True  # the next prompt opens a segment (the first, or the one after a fold)
+        self.prompt_tokens = 0  # summed over the responses' usage: prompt tokens sent
+        self.cached_tokens = 0  # of which the replica's prefix cache held (not prefilled again)
 
     def new_segment(self):
         """Folding re-rendered the context: the next prompt is checked against nothing and starts anew."""
@@ -288,6 +295,9 @@ class Gateway:
         if resp.status_code != 200:
             raise RuntimeError(f"the replica at {self.url} answered {resp.status_code}: {resp.text[:300]}")
         out = resp.json()
+        usage = out.get("usage") or {}  # a server that reports no usage counts as no cache hit
+        self.prompt_tokens += usage.get("prompt_tokens", len(prompt))
+        self.cached_tokens += (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
         if out["prompt_token_ids"] != prompt:
             raise TITOMismatch(f"the replica at {self.url} saw other prompt ids than were sent")
         choice = out["choices"][0]

@@ -280,6 +280,33 @@ def test_rollout_through_the_gateway_gives_trajectories(tok, replica):
         rollout.trajectories(gw, episode, group=("math", 0))
 
 
+def test_gateway_counts_prompt_and_cached_tokens(tok, replica):
+    """The usage of every response summed per rollout: prompt tokens as sent, and cached tokens exactly the
+    full pages the previous turn wrote (its prompt and completion but the last sampled token, which the
+    engine never fed), as the engine itself counts them."""
+    url, eng, _ = replica
+    P = eng.cache.page_size
+    before = dict(eng.stats)
+    gw = rollout.Gateway(url, rollout_id="count-0", max_tokens=6)
+    words = " ".join(random.Random().choice(["fox", "owl", "elm", "oak", "bee"]) for _ in range(12))
+    messages = [{"role": "system", "content": rollout.SYSTEM}, {"role": "user", "content": f"Say {words}."}]
+    prompt = chat.render(messages, tok, add_generation_prompt=True)[0]
+    sent, cached, written = [], [], []
+    for turn in range(3):
+        p0, c0 = gw.prompt_tokens, gw.cached_tokens
+        ids, _ = gw(prompt)
+        sent.append(gw.prompt_tokens - p0)
+        cached.append(gw.cached_tokens - c0)
+        written.append(len(prompt) + len(ids) - 1)
+        prompt = prompt + ids + rollout.observation_ids(tok, [f"{words} {turn}"])
+    assert sent == [len(r["prompt"]) for r in gw.requests] and gw.prompt_tokens == sum(sent)
+    assert all(c % P == 0 for c in cached)
+    assert cached[1:] == [w // P * P for w in written[:-1]] and cached[2] > cached[1] > 0
+    assert gw.cached_tokens == eng.stats["cached_tokens"] - before.get("cached_tokens", 0)
+    prefilled = eng.stats["prefill_tokens"] - before.get("prefill_tokens", 0)
+    assert prefilled == gw.prompt_tokens - gw.cached_tokens
+
+
 class OracleGateway(rollout.Gateway):
     """The gateway's bookkeeping with the task's own solution in place of the replica (no server)."""
 
