@@ -258,9 +258,10 @@ def free_port():
 def launch_replica(ckpt, port):
     """One `python serve.py --ckpt ckpt --port port` process (CPU, one thread: replicas share the cores)."""
     here = os.path.dirname(os.path.abspath(__file__))
-    cmd = [sys.executable, os.path.join(here, "serve.py"), "--ckpt", ckpt, "--port", str(port)]
-    cmd += ["--device", "cpu"]
-    return subprocess.Popen(cmd, env=os.environ | {"OMP_NUM_THREADS": "1"})
+    cmd = [sys.executable, os.path.join(here, "serve.py"), "--ckpt", os.path.abspath(ckpt)]
+    cmd += ["--port", str(port), "--device", "cpu"]
+    # run in the repository, where serve.py finds the project's tokenizer (data/), wherever we were started
+    return subprocess.Popen(cmd, cwd=here, env=os.environ | {"OMP_NUM_THREADS": "1"})
 
 
 def wait_healthy(url, proc, deadline):
@@ -838,6 +839,9 @@ def main(argv):
         urls, procs = start_replicas(cfg["init_from"], cfg["num_replicas"])
         atexit.register(stop_replicas, procs)
         revive = process_restarter(procs, cfg["init_from"])
+        # the replicas take a core each: a trainer with more threads than the cores left thrashes (5-10x
+        # slower steps on a 2-core machine)
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) - cfg["num_replicas"]))
     print(f"replicas: {', '.join(urls)}")
     try:
         records = train(m, tok, urls, cfg, revive=revive)
