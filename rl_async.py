@@ -71,6 +71,7 @@ import difflib
 import json
 import os
 import random
+import shutil
 import socket
 import subprocess
 import sys
@@ -618,6 +619,16 @@ def load_teachers(cfg):
     return out
 
 
+def forget_pushes(out_dir, keep, now):
+    """Delete the pushed weights older than the last two pushes (`keep`, which a replica coming back may
+    still be loading, and `now`): a push a step would otherwise leave a model copy per step on disk."""
+    root = os.path.join(out_dir, "push")
+    for name in os.listdir(root):
+        path = os.path.join(root, name)
+        if path not in (keep, now):
+            shutil.rmtree(path, ignore_errors=True)
+
+
 def cut_metrics(path, step):
     """Keep the records of steps up to `step` (a resumed run writes the later ones again)."""
     if not os.path.exists(path):
@@ -691,6 +702,7 @@ def train(m, tok, urls, cfg, log=print, revive=None):
                 path = os.path.join(cfg["out_dir"], "push", f"v{version}")
                 for url in push_weights(m, orch.urls, path, version, getattr(torch, cfg["push_dtype"])):
                     orch.drop_replica(url)
+                forget_pushes(cfg["out_dir"], keep=orch.latest[0] if orch.latest else None, now=path)
                 orch.latest = (path, version)
                 if cfg["reset_on_push"]:
                     rl.reset_optimizers(optimizers)

@@ -244,6 +244,7 @@ def test_a_killed_trainer_resumes_exactly_in_sync_mode(loop, monkeypatch, tmp_pa
     # without the prefix cache and one rollout at a time, a replay samples the same tokens (see the docstring)
     urls, servers, straight = make(2, prefix_cache=False)
     whole = rl_async.train(straight, m_tok(servers), urls, base | dict(out_dir=str(tmp_path / "a")))
+    assert sorted(os.listdir(tmp_path / "a" / "push")) == ["v3", "v4"]  # older pushes are deleted
 
     cfg = base | dict(out_dir=str(tmp_path / "b"))
     urls, servers, m = make(2, prefix_cache=False)
