@@ -198,11 +198,12 @@ def staleness_filter(trajs, newest, tau):
     """Drop a trajectory whose oldest sampled token is more than tau versions older than the newest
     policy: the policy that sampled it is far from the one being trained, so its importance ratios say
     little and most of its tokens would be masked anyway. Returns (kept, stats): stats counts the dropped
-    ("stale") and holds the staleness histogram of all trajectories seen ({versions behind: count}) for
-    the log line."""
+    ("stale") and holds the staleness histogram of the trajectories seen, failed ones left out ({versions
+    behind: count}), for the log line."""
     ages = [staleness(t, newest) for t in trajs]
     kept = [t for t, age in zip(trajs, ages) if age <= tau]
-    return kept, {"stale": len(trajs) - len(kept), "staleness": dict(sorted(Counter(ages).items()))}
+    seen = Counter(age for t, age in zip(trajs, ages) if not t.failed)  # a failed one sampled nothing
+    return kept, {"stale": len(trajs) - len(kept), "staleness": dict(sorted(seen.items()))}
 
 
 def group_filter(trajs, group_size):
@@ -453,12 +454,15 @@ def release(rollout_id, where, loads):
 
 def remove_replica(replica, ring, where, loads, eps=0.25):
     """A replica died or was taken out: its rollouts are routed again over the others, every other rollout
-    stays where it is. Returns the new ring and {rollout_id: new replica} for those that moved."""
+    stays where it is. Returns the new ring and {rollout_id: new replica} for those that moved (none when
+    it was the last replica: its rollouts are left unplaced)."""
     ring = [(p, r) for p, r in ring if r != replica]
     orphans = [i for i, r in where.items() if r == replica]
     for i in orphans:
         del where[i]
     del loads[replica]
+    if not loads:  # the last one: nowhere to move its rollouts, they are unplaced
+        return ring, {}
     return ring, {i: route(i, ring, where, loads, eps) for i in orphans}
 
 

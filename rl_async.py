@@ -10,8 +10,9 @@ The loop, one code path with a `mode` switch:
 - replicas: serve.py servers given as URLs (a cluster's) or started here as `serve.py` processes on free
   loopback ports and stopped at exit. Each rollout id is pinned to one replica by rl.route. A replica that
   refuses connections leaves the ring and its rollouts start over on the others (the partial record is
-  thrown away, so nothing is trained twice); a replica this script started is restarted, one given as a
-  URL is probed; either way, once it answers it gets the trainer's last pushed weights and rejoins the ring.
+  thrown away, so nothing is trained twice; with no replica left they wait for one, up to rollout_timeout);
+  a replica this script started is restarted, one given as a URL is probed; either way, once it answers it
+  gets the trainer's last pushed weights and rejoins the ring.
 - the orchestrator: groups of group_size rollouts (one task, one training-split seed; held-out seeds by
   envs.split_of stay for evaluation), the task drawn from the configured mix, run by rollout.rollout through
   the TITO gateway (with a sampling seed per request) on one thread pool per task, whose size is that
@@ -33,11 +34,14 @@ The loop, one code path with a `mode` switch:
 - checkpoints: out_dir/ckpt.pt every ckpt_every steps and at the end, atomically (train.py's
   save_checkpoint): the model, both optimizers, the step, the orchestrator's state (its task-drawing RNG,
   the next seed of every task, the groups submitted and not yet trained) and the settings. --resume=True
-  continues from it: the replicas get its weights as its version, the untrained groups are played again
-  with the same ids and seeds, metrics.jsonl is cut back to its step. In sync mode (nothing in flight at a
-  step's end) the resumed run equals the uninterrupted one, weights and records; in async mode the groups
-  in flight at the save are sampled again on the saved weights, so they differ from what the killed run
-  would have sampled (partial rollouts are thrown away, as slime does), and no trajectory is trained twice.
+  continues from it: the replicas get its weights as its version, the untrained groups are played again with
+  the same ids and seeds, metrics.jsonl is cut back to its step; the settings that decide what is sampled
+  must be the same (RESUME_SAME, checked), and the replicas fresh or behind the checkpoint's version
+  (checked). The weights are pushed before every checkpoint, so the replicas of a resumed run hold what the
+  uninterrupted run's held. In sync mode (nothing in flight at a step's end) the resumed run equals the
+  uninterrupted one, weights and records; in async mode the groups in flight at the save are sampled again
+  on the saved weights, so they differ from what the killed run would have sampled (partial rollouts are
+  thrown away, as slime does), and no trajectory is trained twice.
 - one log line per step (reward, masked-token fraction, mean |r - 1|, staleness histogram, dropped and
   padded counts, trajectories/s, trainer idle fraction) and the same record in out_dir/metrics.jsonl, with
   the held-out reward of every eval task every eval_every steps (and at step 0 and the end).
@@ -53,15 +57,16 @@ Run it:
     python rl_async.py configs/rl_toy.py --replicas=http://10.0.0.5:8000,http://10.0.0.6:8000
 Tests: python -m pytest -q tests/test_rl.py tests/test_rl_async.py
 
-Honest limits: the trainer is one process (rl.rl_step on one device): train.py's torchrun / FSDP2 / expert
-parallel path is not wired into it yet, so the full config's RL does not run as-is; the learning rates,
-eps bands, K and tau are ours (GLM-5 does not publish its RL ones); rollout_timeout counts from a rollout's
-submission, its wait for a worker included; a timed-out rollout's thread cannot be killed (it holds its
-pool's worker until its HTTP timeout or its environment returns); a push goes to the replicas one after
-another, so for a moment they serve different versions (each token is tagged with its own, and the
-staleness filter sees it); the async/sync equality and exact resume hold with the replicas' prefix cache off
-and one rollout at a time per task (a cache hit, or another request in the same engine batch, moves a
-logprob by a few ulps).
+Honest limits: the toy run does not learn yet: configs/rl_toy.py's held-out reward stays where it starts,
+because the toy policy cannot copy from its context, which every toy task needs (README: the RL section);
+the trainer is one process (rl.rl_step on one device): train.py's torchrun / FSDP2 / expert parallel path is
+not wired into it yet, so the full config's RL does not run as-is; the learning rates, eps bands, K and tau
+are ours (GLM-5 does not publish its RL ones); rollout_timeout counts from a rollout's submission, its wait
+for a worker included; a timed-out rollout's thread cannot be killed (it holds its pool's worker until its
+HTTP timeout or its environment returns); a push goes to the replicas one after another, so for a moment
+they serve different versions (each token is tagged with its own, and the staleness filter sees it); the
+async/sync equality and exact resume hold with the replicas' prefix cache off and one rollout at a time per
+task (a cache hit, or another request in the same engine batch, moves a logprob by a few ulps).
 """
 
 import ast
@@ -136,6 +141,18 @@ LOOP_DEFAULTS = {
     if not k.startswith("_") and k.islower() and isinstance(v, (bool, int, float, str))
 }
 
+# what a resumed run must keep: the task draws, the groups and their sampling replay with these
+RESUME_SAME = (
+    "stage",
+    "tasks",
+    "group_size",
+    "groups_per_step",
+    "seed",
+    "temperature",
+    "max_tokens",
+    "thinking",
+)
+
 STAGE_LOSS = {"reasoning": "reasoning", "agentic": "agentic", "general": "agentic", "distill": "distill"}
 
 
@@ -153,11 +170,13 @@ def resolve_config(argv):
                 value = ast.literal_eval(text)
             except (ValueError, SyntaxError):
                 value = text  # a bare word is a string
-            items, where = {key: value}, "command line"
+            items = {key: value}
+            where = "command line"
         else:
             if not os.path.isfile(arg):
                 raise SystemExit(f"no config file {arg}")
-            items, where = {}, arg
+            items = {}
+            where = arg
             with open(arg) as f:
                 exec(f.read(), {}, items)
         for key, value in items.items():
@@ -203,6 +222,19 @@ def check_config(cfg):
     for key in ("group_size", "groups_per_step", "max_steps", "push_every", "ckpt_every", "task_concurrency"):
         if cfg[key] < 1:
             raise SystemExit(f"{key} must be at least 1, got {cfg[key]}")
+    for key in ("tau", "ahead"):
+        if cfg[key] < 0:
+            raise SystemExit(f"{key} must be 0 or more, got {cfg[key]}")
+    if cfg["tau"] < cfg["push_every"] - 1:
+        raise SystemExit(
+            f"tau={cfg['tau']} with push_every={cfg['push_every']}: the samples of a step after a skipped "
+            f"push are {cfg['push_every'] - 1} versions behind and would all be dropped; "
+            "set tau >= push_every - 1"
+        )
+    if cfg["eval_every"] and cfg["eval_episodes"] < 1:
+        raise SystemExit("eval_episodes must be at least 1 when eval_every is on (or set eval_every=0)")
+    if not isinstance(getattr(torch, cfg["push_dtype"], None), torch.dtype):
+        raise SystemExit(f"push_dtype {cfg['push_dtype']!r} is not a torch dtype; use float32 or bfloat16")
 
 
 def parse_tasks(spec):
@@ -210,9 +242,14 @@ def parse_tasks(spec):
     out = []
     for item in spec.split(","):
         parts = item.strip().split(":")
-        if len(parts) != 3 or parts[0] not in envs.ENVS:
+        try:
+            good = len(parts) == 3 and parts[0] in envs.ENVS and int(parts[1]) >= 0 and float(parts[2]) > 0
+        except ValueError:
+            good = False
+        if not good:
             raise SystemExit(
-                f"task {item!r}: write name:difficulty:weight with a name from {', '.join(envs.ENVS)}"
+                f"task {item!r}: write name:difficulty:weight (a name from {', '.join(envs.ENVS)}, a "
+                "difficulty 0 to 5, a weight above 0)"
             )
         out.append((parts[0], int(parts[1]), float(parts[2])))
     return out
@@ -401,6 +438,7 @@ class Orchestrator:
         self.latest = None  # (directory, version) of the last push: what a replica rejoins with
         self.failures = Counter()  # failed rollouts by cause, for the log
         self.started = {}  # rollout id -> when it was submitted
+        self.closed = False  # set by close(): a rollout waiting for a replica gives up
 
     # the state a checkpoint keeps, so a resumed run draws the same tasks and seeds
     def state(self):
@@ -455,8 +493,19 @@ class Orchestrator:
         return len(self.groups)
 
     def pick(self, rid):
+        """The replica for this rollout, or None when no replica is live (checked under the lock)."""
         with self.lock:
+            if not self.loads:
+                return None
             return route(rid, self.ring, self.where, self.loads)
+
+    def live_urls(self):
+        with self.lock:
+            return list(self.urls)
+
+    def count_failure(self, cause):
+        with self.lock:
+            self.failures[cause] += 1
 
     def drop_replica(self, url):
         with self.lock:
@@ -483,20 +532,25 @@ class Orchestrator:
             self.tried[url] = time.time()
             if not (self.revive and self.revive(url)) and not answers(url):
                 continue
-            if self.latest and not load_weights(url, *self.latest):
+            has = weight_version(url)
+            if self.latest and has != self.latest[1] and not load_weights(url, *self.latest):
                 continue
             self.add_replica(url)
             self.revived += 1
 
     def play(self, name, d, task_seed, rid, g):
         """One rollout on one replica -> its Trajectory records (one failed one when it crashed)."""
+        deadline = self.started.get(rid, time.time()) + self.cfg["rollout_timeout"]
         while True:
-            if not self.loads:
+            url = self.pick(rid)
+            if url is None:
                 if self.revive is None:
                     raise ReplicaGone("every rollout replica is dead and none was started here to restart")
-                time.sleep(0.2)  # the trainer's thread is restarting them; the timeout still runs
+                if self.closed or time.time() > deadline:
+                    self.count_failure("no replica")
+                    return [failed_trajectory(g, rid)]
+                time.sleep(0.2)  # the trainer's thread is restarting them
                 continue
-            url = self.pick(rid)
             gw = self.gateway_class(
                 url,
                 rid,
@@ -510,14 +564,14 @@ class Orchestrator:
                 self.drop_replica(url)  # routed around: the rollout starts over elsewhere
                 continue
             except Exception as e:  # the policy or the agent loop raised: isolated, marked failed
-                self.failures[type(e).__name__] += 1
+                self.count_failure(type(e).__name__)
                 return [failed_trajectory(g, rid)]
             finally:
                 with self.lock:
                     if rid in self.where:
                         release(rid, self.where, self.loads)
             if episode["crashed"] or not gw.segments:
-                self.failures["environment"] += 1
+                self.count_failure("environment")
                 return [failed_trajectory(g, rid)]
             return rollout.trajectories(gw, episode, g)
 
@@ -531,7 +585,7 @@ class Orchestrator:
         for f, rid in self.groups.pop(g):
             self.started.pop(rid, None)
             if not f.done():  # hung past the timeout: abandoned (its thread cannot be killed)
-                self.failures["timeout"] += 1
+                self.count_failure("timeout")
                 out.append(failed_trajectory(g, rid))
                 continue
             e = f.exception()
@@ -540,7 +594,7 @@ class Orchestrator:
             if e is None:
                 out += f.result()
             else:  # raised outside the rollout (a TITO mismatch, say): isolated as well
-                self.failures[type(e).__name__] += 1
+                self.count_failure(type(e).__name__)
                 out.append(failed_trajectory(g, rid))
         return out
 
@@ -565,14 +619,21 @@ class Orchestrator:
             futures = []
             for i, s in enumerate(held):
                 futures.append(pool.submit(self.play, name, d, s, f"eval{step}-{name}{d}-{i}", -1))
+            rounds = 1 + len(futures) / self.cfg["task_concurrency"]
+            deadline = time.time() + self.cfg["rollout_timeout"] * rounds
+            while not all(f.done() for f in futures) and time.time() < deadline:
+                if self.dead:
+                    self.revive_dead()
+                time.sleep(0.05)
             rewards = []
             for f in futures:
-                trajs = f.result()
-                rewards.append(0.0 if trajs[0].failed else trajs[0].reward)
+                ok = f.done() and f.exception() is None and not f.result()[0].failed
+                rewards.append(f.result()[0].reward if ok else 0.0)  # hung or failed: 0
             out[f"{name}:{d}"] = sum(rewards) / len(rewards)
         return out
 
     def close(self):
+        self.closed = True
         for pool in self.pools.values():
             pool.shutdown(wait=False, cancel_futures=True)
 
@@ -582,6 +643,14 @@ def answers(url):
         return requests.get(url + "/health", timeout=2).status_code == 200
     except requests.RequestException:
         return False
+
+
+def weight_version(url):
+    """The policy version a replica serves (its /health), or None if it does not answer."""
+    try:
+        return requests.get(url + "/health", timeout=2).json().get("weight_version")
+    except (requests.RequestException, ValueError):
+        return None
 
 
 def failed_trajectory(g, rid):
@@ -620,8 +689,8 @@ def load_teachers(cfg):
 
 
 def forget_pushes(out_dir, keep, now):
-    """Delete the pushed weights older than the last two pushes (`keep`, which a replica coming back may
-    still be loading, and `now`): a push a step would otherwise leave a model copy per step on disk."""
+    """Delete the pushed weights but the last two (`keep`, the one before, and `now`): a push a step would
+    otherwise leave a model copy per step on disk."""
     root = os.path.join(out_dir, "push")
     for name in os.listdir(root):
         path = os.path.join(root, name)
@@ -633,8 +702,14 @@ def cut_metrics(path, step):
     """Keep the records of steps up to `step` (a resumed run writes the later ones again)."""
     if not os.path.exists(path):
         return
+    keep = []
     with open(path) as f:
-        keep = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
+        for line in f:
+            try:
+                if json.loads(line)["step"] <= step:
+                    keep.append(line)
+            except (ValueError, KeyError):
+                continue  # a line half-written when the run was killed
     with open(path + ".tmp", "w") as f:
         f.writelines(keep)
     os.replace(path + ".tmp", path)
@@ -652,8 +727,10 @@ def train(m, tok, urls, cfg, log=print, revive=None):
     restarts a dead replica (see Orchestrator). -> the list of records of this run."""
     os.makedirs(cfg["out_dir"], exist_ok=True)
     metrics = os.path.join(cfg["out_dir"], "metrics.jsonl")
+    if not cfg["resume"] and os.path.exists(metrics):
+        os.remove(metrics)  # a fresh run: its records alone (resume cuts the old ones back instead)
     optimizers = rl.build_optimizers(m, lr_muon=cfg["lr_muon"], lr_adamw=cfg["lr_adamw"])
-    teacher = load_teachers(cfg) if cfg["stage"] == "distill" else None
+    teacher_of_task = load_teachers(cfg) if cfg["stage"] == "distill" else None
     orch = Orchestrator(urls, tok, cfg, revive)
     per_step = cfg["groups_per_step"]
     target = per_step if cfg["mode"] == "sync" else per_step * (1 + cfg["ahead"])
@@ -678,17 +755,17 @@ def train(m, tok, urls, cfg, log=print, revive=None):
             groups, batch, waited = orch.ready(per_step)
             kept, fstats = filter_buffer(batch, version, cfg["tau"], cfg["group_size"])
             record = {"step": step, "version": version, "mode": cfg["mode"], "stage": cfg["stage"]}
-            record["groups"] = groups
+            record["groups"] = groups  # the groups this step took from the buffer, trained or dropped
             if kept:
-                teachers = None
-                if teacher is not None:
-                    teachers = [teacher[orch.task_of(t.group)] for t in kept]
+                teacher = None  # distill: one teacher model per trajectory, its task's
+                if teacher_of_task is not None:
+                    teacher = [teacher_of_task[orch.task_of(t.group)] for t in kept]
                 stats = rl.rl_step(
                     m,
                     optimizers,
                     kept,
                     STAGE_LOSS[cfg["stage"]],
-                    teacher=teachers,
+                    teacher=teacher,
                     grad_clip=cfg["grad_clip"],
                     temperature=cfg["temperature"],
                 )
@@ -698,28 +775,38 @@ def train(m, tok, urls, cfg, log=print, revive=None):
             record.update(reward=mean([t.reward for t in batch if not t.failed]), **fstats)
             record["staleness"] = {str(k): n for k, n in fstats["staleness"].items()}  # JSON's keys
             record.update(trained=bool(kept), trajectories=len(kept))
-            if kept and version % cfg["push_every"] == 0:
-                path = os.path.join(cfg["out_dir"], "push", f"v{version}")
-                for url in push_weights(m, orch.urls, path, version, getattr(torch, cfg["push_dtype"])):
-                    orch.drop_replica(url)
-                forget_pushes(cfg["out_dir"], keep=orch.latest[0] if orch.latest else None, now=path)
-                orch.latest = (path, version)
+            save = step % cfg["ckpt_every"] == 0 or step == cfg["max_steps"]
+            pushed = orch.latest[1] if orch.latest else 0
+            # a push every push_every steps, and before a checkpoint, so that a resumed run's replicas (which
+            # get the checkpoint's weights) hold what the uninterrupted run's hold
+            if version != pushed and (version % cfg["push_every"] == 0 or save):
+                push(m, orch, version, cfg)
                 if cfg["reset_on_push"]:
                     rl.reset_optimizers(optimizers)
-            if step % cfg["ckpt_every"] == 0 or step == cfg["max_steps"]:
-                save_rl_checkpoint(m, optimizers, step, version, orch, cfg)
             dt = time.time() - t0
             record.update(traj_per_s=len(batch) / dt, idle_frac=waited / dt, dead_replicas=list(orch.dead))
             record.update(failures=dict(orch.failures), revived=orch.revived)  # since the start
             if cfg["eval_every"] and (step % cfg["eval_every"] == 0 or step == cfg["max_steps"]):
                 record["heldout_reward"] = orch.evaluate(cfg["eval_episodes"], step)
             log_line(record, log)
-            with open(metrics, "a") as f:
+            with open(metrics, "a") as f:  # the record first: a kill during the save loses no record
                 f.write(json.dumps(record) + "\n")
             records.append(record)
+            if save:
+                save_rl_checkpoint(m, optimizers, step, version, orch, cfg)
     finally:
         orch.close()
     return records
+
+
+def push(m, orch, version, cfg):
+    """Save the trainer's weights to out_dir/push/v<version>, have every live replica load them, drop the
+    ones that do not answer, delete the older pushes."""
+    path = os.path.join(cfg["out_dir"], "push", f"v{version}")
+    for url in push_weights(m, orch.live_urls(), path, version, getattr(torch, cfg["push_dtype"])):
+        orch.drop_replica(url)
+    forget_pushes(cfg["out_dir"], keep=orch.latest[0] if orch.latest else None, now=path)
+    orch.latest = (path, version)
 
 
 def resume_from(m, optimizers, orch, cfg, log):
@@ -731,15 +818,27 @@ def resume_from(m, optimizers, orch, cfg, log):
     ck = torch.load(path, map_location="cpu", weights_only=False)
     if "rl" not in ck:
         raise SystemExit(f"resume: {path} is not an rl_async.py checkpoint; pass it as --init_from instead")
+    saved = ck["rl"]["settings"]
+    changed = [k for k in RESUME_SAME if saved.get(k) != cfg[k]]
+    if changed:
+        k = changed[0]
+        raise SystemExit(
+            f"resume: {k} was {saved.get(k)!r} in the run being resumed and is {cfg[k]!r} now; a resumed run "
+            f"replays the same tasks and groups, so pass --{k}={saved.get(k)!r} (or start a new out_dir)"
+        )
     m.load_state_dict(ck["model"])
     optimizers[0].load_state_dict(ck["muon"])
     optimizers[1].load_state_dict(ck["adamw"])
-    step, version = ck["step"], ck["version"]
+    step = ck["step"]
+    version = ck["version"]
+    ahead_of_us = [u for u in orch.live_urls() if (weight_version(u) or 0) > version]
+    if ahead_of_us:
+        raise SystemExit(
+            f"resume: the replica at {ahead_of_us[0]} serves version {weight_version(ahead_of_us[0])}, past "
+            f"the checkpoint's {version}, and versions only increase; restart the replicas, then resume"
+        )
     if version > 0:
-        push = os.path.join(cfg["out_dir"], "push", f"v{version}")
-        for url in push_weights(m, orch.urls, push, version, getattr(torch, cfg["push_dtype"])):
-            orch.drop_replica(url)
-        orch.latest = (push, version)
+        push(m, orch, version, cfg)
     orch.restore(ck["rl"]["orchestrator"])
     cut_metrics(os.path.join(cfg["out_dir"], "metrics.jsonl"), step)
     pending = len(ck["rl"]["orchestrator"]["pending"])

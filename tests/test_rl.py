@@ -274,6 +274,11 @@ def test_removing_a_replica_moves_only_its_keys():
     assert max(loads.values()) <= math.ceil((1 + eps) * len(ids) / 4)
     assert loads == {r: sum(1 for v in where.values() if v == r) for r in loads}
 
+    # the last replica: its rollouts are left unplaced, nothing raises
+    ring, where, loads = place(ids[:5], ["only"], eps)
+    ring, moved = rl.remove_replica("only", ring, where, loads, eps)
+    assert (ring, moved, where, loads) == ([], {}, {}, {})
+
 
 # -----------------------------------------------------------------------------
 # The trainer's step on a tiny GLM-5 (float64, so the comparisons can be tight)

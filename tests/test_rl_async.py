@@ -276,8 +276,8 @@ def test_async_resume_trains_no_group_twice_and_loses_none(loop, monkeypatch):
     rl_async.train(m, m_tok(servers), urls, cfg | dict(resume=True), log=lambda s: None)
     lines = [json.loads(x) for x in open(os.path.join(cfg["out_dir"], "metrics.jsonl"))]
     assert [r["step"] for r in lines] == [1, 2, 3, 4, 5]
-    trained = [g for r in lines for g in r["groups"]]
-    assert sorted(trained) == list(range(5 * cfg["groups_per_step"]))  # each group once, none skipped
+    taken = [g for r in lines for g in r["groups"]]
+    assert sorted(taken) == list(range(5 * cfg["groups_per_step"]))  # each group taken once, none skipped
 
 
 def test_a_dead_replica_is_restarted_and_rejoins_with_the_current_weights(loop, monkeypatch, tok):
@@ -368,3 +368,102 @@ def test_the_toy_recipe_commands_are_valid():
         written.add(path)
     cfg = rl_async.resolve_config([os.path.join(os.path.dirname(rl_async.__file__), "configs", "rl_toy.py")])
     assert cfg["init_from"] == rl_async.TOY_POLICY == rl_async.TOY_RECIPE[-1][0]
+
+
+class KillerEnv(CoinEnv):
+    """Kills the replica it is played on in the middle of its first rollout (the serve.py process dies)."""
+
+    name = "killer"
+    victim = None  # (server, event) to shut down, set by the test
+
+    def step(self, action):
+        if KillerEnv.victim is not None:
+            srv, _ = KillerEnv.victim
+            KillerEnv.victim = None
+            srv.shutdown()
+            srv.server_close()
+        return super().step(action)
+
+
+def test_the_only_replica_dies_mid_rollout_and_is_restarted(loop, monkeypatch):
+    make, settings = loop
+    monkeypatch.setitem(envs.ENVS, "killer", KillerEnv)
+    urls, servers, m = make(1)
+    monkeypatch.setattr(KillerEnv, "victim", servers[0])
+    port = int(urls[0].rsplit(":", 1)[1])
+    restarted = []
+
+    def revive(url):
+        if restarted:
+            return False
+        restarted.append(make_on_port(make, port)[0])
+        return True
+
+    cfg = settings | dict(mode="sync", tasks="killer:0:1", max_steps=3, rollout_timeout=60.0)
+    records = rl_async.train(m, m_tok(servers), urls, cfg, log=lambda s: None, revive=revive)
+    assert restarted and records[-1]["revived"] == 1 and records[-1]["dead_replicas"] == []
+    assert [r["step"] for r in records] == [1, 2, 3] and records[-1]["trained"]
+    assert restarted[0].engine.version == 3
+
+
+def test_resume_is_exact_with_a_push_every_other_step(loop, monkeypatch, tmp_path):
+    make, settings = loop
+    base = settings | dict(mode="sync", max_steps=4, ckpt_every=1, push_every=2, tau=1)
+    urls, servers, straight = make(2, prefix_cache=False)
+    whole = rl_async.train(straight, m_tok(servers), urls, base | dict(out_dir=str(tmp_path / "a")))
+    cfg = base | dict(out_dir=str(tmp_path / "b"))
+    urls, servers, m = make(2, prefix_cache=False)
+    with monkeypatch.context() as mp:
+        kill_at(mp, 2)  # the checkpoint of step 1 (version 1, between two pushes) is the last one
+        with pytest.raises(Killed):
+            rl_async.train(m, m_tok(servers), urls, cfg, log=lambda s: None)
+    urls, servers, m = make(2, prefix_cache=False)
+    rl_async.train(m, m_tok(servers), urls, cfg | dict(resume=True), log=lambda s: None)
+    lines = [json.loads(x) for x in open(os.path.join(cfg["out_dir"], "metrics.jsonl"))]
+    assert same_records(lines, whole)
+    a, b = straight.state_dict(), m.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_resume_refuses_changed_settings(loop, tmp_path):
+    make, settings = loop
+    urls, servers, m = make(1)
+    cfg = settings | dict(mode="sync", max_steps=1)
+    rl_async.train(m, m_tok(servers), urls, cfg, log=lambda s: None)
+    with pytest.raises(SystemExit, match="group_size was 2"):
+        rl_async.train(m, m_tok(servers), urls, cfg | dict(resume=True, group_size=4), log=lambda s: None)
+
+
+class OtherCoinEnv(CoinEnv):
+    name = "othercoin"
+
+    def make_task(self, rng, d):
+        return {"prompt": f"Say more, number {rng.randrange(1000)}."}
+
+
+def test_distillation_gives_each_trajectory_its_own_tasks_teacher(loop, monkeypatch, tok):
+    make, settings = loop
+    monkeypatch.setitem(envs.ENVS, "othercoin", OtherCoinEnv)
+    urls, servers, m = make(1)
+    teachers = {
+        "coin:0": randomize(model.GLM5(m.config), seed=9),
+        "othercoin:0": randomize(model.GLM5(m.config), seed=8),
+    }
+    monkeypatch.setattr(rl_async, "load_teachers", lambda cfg: teachers)
+    seen = []
+    real = rl.rl_step
+
+    def spy(m, optimizers, trajs, kind, teacher=None, **kw):
+        seen.append((kind, trajs, teacher))
+        return real(m, optimizers, trajs, kind, teacher=teacher, **kw)
+
+    monkeypatch.setattr(rl, "rl_step", spy)
+    cfg = settings | dict(mode="sync", stage="distill", group_size=1, groups_per_step=6, max_steps=1)
+    cfg |= dict(tasks="coin:0:1,othercoin:0:1", teachers="coin:0=a,othercoin:0=b")
+    rl_async.train(m, m_tok(servers), urls, cfg, log=lambda s: None)
+    ((kind, trajs, given),) = seen
+    assert kind == "distill" and len(given) == len(trajs) == 6
+    for t, teacher in zip(trajs, given):
+        text = tok.decode([i for i in t.ids if i < tok.vocab_size])
+        assert teacher is teachers["othercoin:0" if "Say more" in text else "coin:0"]
+    assert len({id(t) for t in given}) == 2  # both tasks were drawn
