@@ -467,3 +467,27 @@ def test_distillation_gives_each_trajectory_its_own_tasks_teacher(loop, monkeypa
         text = tok.decode([i for i in t.ids if i < tok.vocab_size])
         assert teacher is teachers["othercoin:0" if "Say more" in text else "coin:0"]
     assert len({id(t) for t in given}) == 2  # both tasks were drawn
+
+
+class ShortEnv(CoinEnv):
+    """A reward the random tiny policy can reach sometimes and RL can move: a reply of at most 6 characters."""
+
+    name = "short"
+
+    def grade(self, text):
+        return float(len(text) <= 6), "short"
+
+
+@pytest.mark.slow
+def test_the_loop_learns_a_reward_the_policy_can_reach(loop, monkeypatch):
+    """End to end, async: the held-out reward of the short-reply task rises well past where it starts (here
+    from about 0.1 to about 0.85 in 25 steps), so the losses, advantages and pushes point the right way."""
+    make, settings = loop
+    monkeypatch.setitem(envs.ENVS, "short", ShortEnv)
+    urls, servers, m = make(2)
+    cfg = settings | dict(tasks="short:0:1", group_size=8, groups_per_step=4, max_steps=25, max_tokens=16)
+    cfg |= dict(task_concurrency=8, eval_every=25, eval_episodes=32, lr_muon=3e-3, lr_adamw=6e-4)
+    records = rl_async.train(m, m_tok(servers), urls, cfg, log=lambda s: None)
+    start = records[0]["heldout_reward"]["short:0"]
+    end = records[-1]["heldout_reward"]["short:0"]
+    assert end >= start + 0.3, (start, end)
