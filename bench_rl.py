@@ -6,7 +6,7 @@ measured side by side in one run:
 
 1. async vs sync on a long-tail workload. rl_async.train runs `--steps` trainer steps in mode "sync", then
    in mode "async" with every other setting the same, each run on fresh serve.py replica processes
-   (rl_async.start_replicas) of the same weights and with a fresh trainer copy of them; a third run is
+   (replicas.start_replicas) of the same weights and with a fresh trainer copy of them; a third run is
    async at sync's concurrency (below). The workload, "longtail", wraps the search environment at
    difficulty 0 and is registered in envs.ENVS in this process only: every rollout takes `--turns` turns,
    and each non-final turn runs the real search tool, then waits a tool latency drawn from a seeded Pareto
@@ -17,7 +17,7 @@ measured side by side in one run:
 2. prefix-cache hit rate of multi-turn rollouts, DP-aware router vs round-robin. The same rollouts (the same
    wrapper, no latency, two more turns, sampling seeded by rollout id and turn) are played twice by
    rollout.rollout, 8 at a time, on fresh replicas with the prefix cache on (2, then 4 of them): with
-   rl_async's router (rl.route pins a rollout to one replica, as rl_async.Orchestrator does) and with
+   rl_async's router (rl.route pins a rollout to one replica, as orchestrator.Orchestrator does) and with
    round-robin (each request to the next replica, as a plain load balancer does). Hit rate = cached prompt
    tokens / prompt tokens, summed over every request (each response's usage.prompt_tokens_details.
    cached_tokens, which rollout.Gateway counts), also split into first turns (only the shared system prompt
@@ -84,7 +84,9 @@ import torch
 import engine
 import envs
 import model
+import orchestrator
 import rl
+import replicas
 import rl_async
 import rollout
 import serve
@@ -178,7 +180,7 @@ class Tally:
         return sum(self.cached[t] for t in turns) / p if p else 0.0
 
 
-class BenchGateway(rl_async.SeededGateway):
+class BenchGateway(orchestrator.SeededGateway):
     """rl_async's gateway (seeded sampling) that ends a reply cut at max_tokens with <|endoftext|>, recorded
     as template glue (mask 0, logprob 0.0, version -1), and adds every response's usage to `tally`."""
 
@@ -280,15 +282,15 @@ def run_mode(args, tok, mode, concurrency, work):
     """rl_async.train in one mode on fresh replicas and a fresh trainer -> a summary dict."""
     cfg = run_settings(args, mode, concurrency, os.path.join(work, f"{mode}{concurrency}"))
     m = engine.load_model(args.ckpt)
-    urls, procs = rl_async.start_replicas(args.ckpt, args.replicas)
+    urls, procs = replicas.start_replicas(args.ckpt, args.replicas)
     LongTailSearch.stop = threading.Event()  # after the start: the last run's rollouts have ended by now
     LongTailSearch.resets.clear()
     try:
-        with swapped(rl_async.Orchestrator, gateway_class=BenchGateway):
+        with swapped(orchestrator.Orchestrator, gateway_class=BenchGateway):
             records = rl_async.train(m, tok, urls, cfg, log=lambda line: print(f"  {mode} {line}"))
     finally:
         LongTailSearch.stop.set()  # the rollouts still in flight end at their next step
-        rl_async.stop_replicas(procs)
+        replicas.stop_replicas(procs)
     return summarize(records)
 
 
@@ -359,11 +361,11 @@ def play(args, tok, gateway_class, n):
     bounded loads) -> the Tally of every request and the failed rollouts. RoundRobinGateway then sends each
     request elsewhere, so both runs share every line but the replica a request goes to."""
     tally = Tally()
-    urls, procs = rl_async.start_replicas(args.ckpt, n)
+    urls, procs = replicas.start_replicas(args.ckpt, n)
     LongTailSearch.stop = threading.Event()
     LongTailSearch.resets.clear()
     ring = rl.build_ring(urls)
-    where = {}  # the router's state, as rl_async.Orchestrator keeps it
+    where = {}  # the router's state, as orchestrator.Orchestrator keeps it
     loads = dict.fromkeys(urls, 0)
     lock = threading.Lock()
 
@@ -384,7 +386,7 @@ def play(args, tok, gateway_class, n):
             failed = sum(1 for j in jobs if j.exception() is not None or j.result())
     finally:
         LongTailSearch.stop.set()
-        rl_async.stop_replicas(procs)
+        replicas.stop_replicas(procs)
     return tally, failed
 
 

@@ -10,7 +10,7 @@ import pytest
 import bench_rl
 import data
 import envs
-import rl_async
+import orchestrator
 import rollout
 from tokenizer import CHAT_TOKENS, Tokenizer, train_bpe
 
@@ -121,7 +121,7 @@ def test_round_robin_sends_each_request_to_the_next_replica(tok, longtail, monke
 
 def test_the_wrapper_is_registered_for_the_run_only():
     assert "longtail" not in envs.ENVS  # bench_rl imported: nothing added to the project's tasks
-    assert rl_async.Orchestrator.gateway_class is rl_async.SeededGateway
+    assert orchestrator.Orchestrator.gateway_class is orchestrator.SeededGateway
 
 
 @pytest.mark.slow
@@ -131,7 +131,7 @@ def test_quick_run_end_to_end(monkeypatch, capsys):
     out = capsys.readouterr().out
     assert out.startswith("load:") and "summary: async/sync" in out and "prefix-cache hits" in out
     assert bench_rl.os.getcwd() == cwd and "longtail" not in envs.ENVS
-    assert rl_async.Orchestrator.gateway_class is rl_async.SeededGateway
+    assert orchestrator.Orchestrator.gateway_class is orchestrator.SeededGateway
     assert (bench_rl.LongTailSearch.turns, bench_rl.LongTailSearch.scale) == (4, 0.3)  # put back
     runs = results["async"]
     assert list(runs) == ["sync (cap 32)", "async (cap 32)", "async (cap 8)"]
