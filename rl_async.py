@@ -393,9 +393,9 @@ def push(m, orch, version, cfg):
     orch.latest = (path, version)
 
 
-def resume_from(m, optimizers, orch, cfg, log):
-    """Load out_dir/ckpt.pt into the trainer, give its weights to the replicas as its version, replay its
-    untrained groups, cut metrics.jsonl back to its step. -> (its step, its version)."""
+def load_resumable(cfg):
+    """out_dir/ckpt.pt, checked: an rl_async.py checkpoint whose sampling settings are the ones given now.
+    -> (its path, the checkpoint dict). One sentence for what is wrong."""
     path = os.path.join(cfg["out_dir"], "ckpt.pt")
     if not os.path.isfile(path):
         raise SystemExit(f"resume: no checkpoint at {path}; run without --resume=True first, or fix out_dir")
@@ -410,6 +410,13 @@ def resume_from(m, optimizers, orch, cfg, log):
             f"resume: {k} was {saved.get(k)!r} in the run being resumed and is {cfg[k]!r} now; a resumed run "
             f"replays the same tasks and groups, so pass --{k}={saved.get(k)!r} (or start a new out_dir)"
         )
+    return path, ck
+
+
+def resume_from(m, optimizers, orch, cfg, log):
+    """Load out_dir/ckpt.pt into the trainer, give its weights to the replicas as its version, replay its
+    untrained groups, cut metrics.jsonl back to its step. -> (its step, its version)."""
+    path, ck = load_resumable(cfg)
     m.load_state_dict(ck["model"])
     optimizers[0].load_state_dict(ck["muon"])
     optimizers[1].load_state_dict(ck["adamw"])
@@ -524,6 +531,8 @@ def main(argv):
         raise SystemExit(
             f"no policy at {cfg['init_from']}; train one (README: the RL stages) or pass --init_from=PATH"
         )
+    if cfg["resume"]:
+        load_resumable(cfg)  # before anything starts: a refused resume costs nothing
     torch.manual_seed(cfg["seed"])
     m = engine.load_model(cfg["init_from"])
     tok = serve.load_tokenizer(None, cfg["init_from"], m.config.vocab_size)
