@@ -117,6 +117,7 @@ class Orchestrator:
         self.dead = []  # replicas out of the ring
         self.revive = revive
         self.revived = 0
+        self.joined = {}  # url -> when it last rejoined the ring
         self.tried = {}  # url -> when revive last tried it
         self.latest = None  # (directory, version) of the last push: what a replica rejoins with
         self.failures = Counter()  # failed rollouts by cause, for the log
@@ -190,8 +191,12 @@ class Orchestrator:
         with self.lock:
             self.failures[cause] += 1
 
-    def drop_replica(self, url):
+    def drop_replica(self, url, since=None):
+        """Take a replica out of the ring. since: when the caller picked it; a replica that rejoined after
+        that is left alone (the refused connection was its old process's)."""
         with self.lock:
+            if since is not None and self.joined.get(url, 0.0) > since:
+                return
             if url in self.loads:
                 self.ring = remove_replica(url, self.ring, self.where, self.loads)[0]
                 self.urls.remove(url)
@@ -200,6 +205,7 @@ class Orchestrator:
     def add_replica(self, url):
         """A replica back in the ring: new rollouts may land on it; live ones stay where they are."""
         with self.lock:
+            self.joined[url] = time.time()
             if url in self.dead:
                 self.dead.remove(url)
             self.urls.append(url)
@@ -225,6 +231,7 @@ class Orchestrator:
         """One rollout on one replica -> its Trajectory records (one failed one when it crashed)."""
         deadline = self.started.get(rid, time.time()) + self.cfg["rollout_timeout"]
         while True:
+            picked = time.time()
             url = self.pick(rid)
             if url is None:
                 if self.revive is None:
@@ -244,7 +251,7 @@ class Orchestrator:
             try:
                 episode = rollout.rollout(envs.ENVS[name](d), gw, self.tok, task_seed, self.cfg["thinking"])
             except requests.ConnectionError:
-                self.drop_replica(url)  # routed around: the rollout starts over elsewhere
+                self.drop_replica(url, since=picked)  # routed around: the rollout starts over elsewhere
                 continue
             except Exception as e:  # the policy or the agent loop raised: isolated, marked failed
                 self.count_failure(type(e).__name__)

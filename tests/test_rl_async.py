@@ -8,6 +8,7 @@ import math
 import os
 import random
 import threading
+import time
 
 import pytest
 import torch
@@ -470,7 +471,7 @@ def test_distillation_gives_each_trajectory_its_own_tasks_teacher(loop, monkeypa
 
 
 class ShortEnv(CoinEnv):
-    """A reward the random tiny policy can reach sometimes and RL can move: a reply of at most 6 characters."""
+    """A reward the random tiny policy reaches sometimes and RL can move: a reply of at most 6 characters."""
 
     name = "short"
 
@@ -491,3 +492,21 @@ def test_the_loop_learns_a_reward_the_policy_can_reach(loop, monkeypatch):
     start = records[0]["heldout_reward"]["short:0"]
     end = records[-1]["heldout_reward"]["short:0"]
     assert end >= start + 0.3, (start, end)
+
+
+def test_a_late_refusal_does_not_drop_a_replica_that_rejoined(tok):
+    """A rollout that picked a replica before it died and was revived reports the refusal late: the
+    replica, back in the ring since, stays."""
+    cfg = dict(rl_async.LOOP_DEFAULTS, tasks="math:0:1")
+    orch = rl_async.Orchestrator(["http://a", "http://b"], tok, cfg)
+    try:
+        picked = time.time()
+        orch.drop_replica("http://a")
+        time.sleep(0.01)
+        orch.add_replica("http://a")
+        orch.drop_replica("http://a", since=picked)  # the old refusal, reported after the rejoin
+        assert "http://a" in orch.live_urls() and orch.dead == []
+        orch.drop_replica("http://a", since=time.time())  # a refusal from after the rejoin counts
+        assert orch.live_urls() == ["http://b"] and orch.dead == ["http://a"]
+    finally:
+        orch.close()
