@@ -3,24 +3,19 @@ closes a reply cut at max_tokens with glue the TITO record masks, tallies every 
 round-robin sends each request to the next replica (a fake replica in place of HTTP, so these are fast);
 and `--quick` end to end over real serve.py replica processes (slow: a minute or more on 2 loaded cores)."""
 
-import random
 
 import pytest
+from conftest import tiny_chat_tokenizer
 
 import bench_rl
-import data
 import envs
 import orchestrator
 import rollout
-from tokenizer import CHAT_TOKENS, Tokenizer, train_bpe
 
 
 @pytest.fixture(scope="module")
 def tok():
-    files = random.Random(0).sample(data.stdlib_files(data.stdlib_root()), 20)
-    return Tokenizer(
-        train_bpe([data.read_file(data.stdlib_root(), f)[:3000] for f in files], 320 - len(CHAT_TOKENS))
-    )
+    return tiny_chat_tokenizer()
 
 
 @pytest.fixture

@@ -6,15 +6,13 @@ resume, the stages and distillation (a few seconds each)."""
 import json
 import math
 import os
-import random
 import threading
 import time
 
 import pytest
 import torch
-from conftest import randomize, tiny_config
+from conftest import randomize, tiny_chat_tokenizer, tiny_config
 
-import data
 import engine
 import envs
 import model
@@ -22,7 +20,6 @@ import rl
 import rl_async
 import serve
 import weights
-from tokenizer import CHAT_TOKENS, Tokenizer, train_bpe
 
 
 # -----------------------------------------------------------------------------
@@ -59,10 +56,7 @@ class HangEnv(CoinEnv):
 
 @pytest.fixture(scope="module")
 def tok():
-    files = random.Random(0).sample(data.stdlib_files(data.stdlib_root()), 20)
-    return Tokenizer(
-        train_bpe([data.read_file(data.stdlib_root(), f)[:3000] for f in files], 320 - len(CHAT_TOKENS))
-    )
+    return tiny_chat_tokenizer()
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import threading
 
 import pytest
 import torch
-from conftest import randomize, tiny_config
+from conftest import randomize, tiny_chat_tokenizer, tiny_config
 
 import chat
 import data
@@ -22,15 +22,13 @@ import sandbox
 import serve
 import weights
 from envs import CodeEnv, MathEnv, SearchEnv, TerminalEnv
-from tokenizer import CHAT_TOKENS, Tokenizer, train_bpe
 
 ROOT = data.stdlib_root()
 
 
 @pytest.fixture(scope="module")
 def tok():
-    files = random.Random(0).sample(data.stdlib_files(ROOT), 20)
-    return Tokenizer(train_bpe([data.read_file(ROOT, f)[:3000] for f in files], 320 - len(CHAT_TOKENS)))
+    return tiny_chat_tokenizer()
 
 
 def tool(name, **args):
