@@ -43,8 +43,10 @@ import math
 from collections import Counter
 
 import torch
+import torch.distributed as dist
 
 import muon
+import parallel
 from dsa import upcast
 from rollout import Trajectory  # one rollout's exact token record, kept where TITO lives
 
@@ -88,6 +90,13 @@ def masked_mean(x, mask):
     return torch.where(mask, x, torch.zeros_like(x)).sum() / mask.sum().clamp(min=1)
 
 
+def denominator(mask, n_tokens=None):
+    """What a loss divides its sum by: the loss-mask tokens of the batch (at least 1), or n_tokens."""
+    if n_tokens is None:
+        return mask.sum().clamp(min=1)
+    return max(n_tokens, 1)
+
+
 def finite_outside(mask, *tensors):
     """The tensors with zeros where mask is False: an environment token's logprob may be missing (NaN, -inf)
     and exp() of it in a ratio would turn the zero gradient torch.where gives a masked token into 0 * inf."""
@@ -101,7 +110,7 @@ def per_token(advantages, like):
     return advantages
 
 
-def agentic_loss(logp_new, logp_rollout, advantages, mask, eps_low=0.2, eps_high=0.28):
+def agentic_loss(logp_new, logp_rollout, advantages, mask, eps_low=0.2, eps_high=0.28, n_tokens=None):
     """Direct double-sided importance sampling with token masking (GLM-5 report, agentic RL):
 
         L = -E_t[ f(r_t) * A_t * log pi_theta(a_t) ],  r_t = pi_theta(a_t) / pi_rollout(a_t),
@@ -115,7 +124,8 @@ def agentic_loss(logp_new, logp_rollout, advantages, mask, eps_low=0.2, eps_high
 
     logp_new: (N, T) with grad; logp_rollout: (N, T); advantages: (N,) or (N, T); mask: (N, T) bool.
     The mean is over the loss-mask tokens, masked-by-the-band ones included, so masking a token removes its
-    term without scaling up the others.
+    term without scaling up the others. n_tokens: divide by this count instead (the whole batch's, when
+    this is one rank's share of it).
     """
     mask = mask.bool()
     adv = per_token(advantages, logp_new)  # (N, T)
@@ -123,7 +133,7 @@ def agentic_loss(logp_new, logp_rollout, advantages, mask, eps_low=0.2, eps_high
     ratio = torch.exp(logp_new.detach() - logp_rollout)  # (N, T), r_t, no grad
     keep = mask & (ratio > 1 - eps_low) & (ratio < 1 + eps_high)  # (N, T), inside the trust band
     weight = torch.where(keep, ratio, torch.zeros_like(ratio))  # f(r_t), zero where masked
-    loss = -(weight * adv * logp_new).sum() / mask.sum().clamp(min=1)
+    loss = -(weight * adv * logp_new).sum() / denominator(mask, n_tokens)
     stats = {
         "tokens": int(mask.sum()),
         "masked_frac": float((mask & ~keep).sum() / mask.sum().clamp(min=1)),
@@ -133,7 +143,15 @@ def agentic_loss(logp_new, logp_rollout, advantages, mask, eps_low=0.2, eps_high
 
 
 def reasoning_loss(
-    logp_new, logp_old, logp_rollout, advantages, mask, clip_low=0.2, clip_high=0.28, icepop=(0.5, 2.0)
+    logp_new,
+    logp_old,
+    logp_rollout,
+    advantages,
+    mask,
+    clip_low=0.2,
+    clip_high=0.28,
+    icepop=(0.5, 2.0),
+    n_tokens=None,
 ):
     """GRPO + IcePop (GLM-5 report, Reasoning RL): PPO's clipped objective on rho = pi_theta / pi_old
     (clip [1 - 0.2, 1 + 0.28], DAPO's clip-higher), with IcePop's calibration of the training/inference
@@ -148,7 +166,7 @@ def reasoning_loss(
 
     logp_new: (N, T) with grad; logp_old, logp_rollout: (N, T); advantages: (N,) or (N, T); mask: (N, T).
     A trainer that takes one optimizer step per batch passes logp_old = logp_new.detach(): rho is then 1,
-    the clip never bites, and the gradient is M(k_t) * A_t * grad log pi_theta.
+    the clip never bites, and the gradient is M(k_t) * A_t * grad log pi_theta. n_tokens: as agentic_loss.
     """
     mask = mask.bool()
     adv = per_token(advantages, logp_new)  # (N, T)
@@ -159,7 +177,7 @@ def reasoning_loss(
     clipped = torch.clamp(rho, 1 - clip_low, 1 + clip_high)  # no gradient outside the clip range
     surrogate = torch.minimum(rho * adv, clipped * adv)  # (N, T)
     weight = torch.where(keep, k, torch.zeros_like(k))  # M(k_t), zero where masked
-    loss = -(weight * surrogate).sum() / mask.sum().clamp(min=1)
+    loss = -(weight * surrogate).sum() / denominator(mask, n_tokens)
     is_clipped = rho.detach() != clipped.detach()
     stats = {
         "tokens": int(mask.sum()),
@@ -344,7 +362,9 @@ def teacher_logprobs(teacher, ids, temperature=1.0):
     return out
 
 
-def policy_loss(m, trajs, kind="agentic", teacher=None, temperature=1.0, scale_by_std=True, **band):
+def policy_loss(
+    m, trajs, kind="agentic", teacher=None, temperature=1.0, scale_by_std=True, advantages=None, **band
+):
     """The RL loss of a batch of Trajectory records, from the exact token ids the engine saw:
 
     kind "agentic":   agentic_loss, group-relative advantages, ratio against the rollout logprobs;
@@ -352,7 +372,9 @@ def policy_loss(m, trajs, kind="agentic", teacher=None, temperature=1.0, scale_b
     kind "distill":   agentic_loss with distill_advantages from the teacher's logprobs of the same ids
                       (on-policy distillation, group size 1: rewards are not used); teacher is a model or
                       a list of one model per trajectory (teacher_logprobs).
-    band: the loss's own keywords (eps_low / eps_high, clip_low / clip_high / icepop). -> (loss, stats)."""
+    advantages: (N,) to use instead of the batch's own group advantages (a rank's rows of a batch whose
+    groups it does not hold whole). band: the loss's own keywords (eps_low / eps_high, clip_low /
+    clip_high / icepop, n_tokens). -> (loss, stats)."""
     if kind not in ("agentic", "reasoning", "distill"):
         raise ValueError(f"kind must be 'agentic', 'reasoning' or 'distill', got {kind!r}")
     if kind == "distill" and teacher is None:
@@ -365,31 +387,78 @@ def policy_loss(m, trajs, kind="agentic", teacher=None, temperature=1.0, scale_b
         with torch.no_grad():
             logp_teacher = teacher_logprobs(teacher, ids, temperature)  # (N, T - 1)
         return agentic_loss(logp, logp_rollout, distill_advantages(logp_teacher, logp), mask, **band)
-    adv = trajectory_advantages(trajs, scale_by_std).to(logp.device)  # (N,)
+    adv = advantages
+    if adv is None:
+        adv = trajectory_advantages(trajs, scale_by_std)
+    adv = adv.to(logp.device)  # (N,)
     if kind == "agentic":
         return agentic_loss(logp, logp_rollout, adv, mask, **band)
     return reasoning_loss(logp, logp.detach(), logp_rollout, adv, mask, **band)
 
 
-def rl_step(m, optimizers, trajs, kind="agentic", teacher=None, grad_clip=1.0, temperature=1.0, **band):
+def rank_loss(m, trajs, kind, teacher, temperature, world, rank, **band):
+    """This rank's share of policy_loss over a batch that every rank holds whole (the trainer under
+    torchrun): rows rank, rank + world, ...; the advantages from the whole batch's groups; every sum divided
+    by the whole batch's loss-mask tokens, and times world, because FSDP2 averages the gradients over the
+    ranks: the ranks' gradients then add up to the one-process gradient of the whole batch. A rank with no
+    row (fewer trajectories than ranks) runs the first one with weight 0, as FSDP needs every rank's
+    forward and backward. -> (loss to backward, stats over the whole batch, every rank the same)."""
+    rows = list(range(rank, len(trajs), world))
+    weight = 1.0
+    if not rows:
+        rows = [0]
+        weight = 0.0
+    n_tokens = sum(sum(t.mask) for t in trajs)  # the first token is never sampled (collate checks it)
+    mine = [trajs[i] for i in rows]
+    adv = None
+    if kind != "distill":
+        adv = trajectory_advantages(trajs)[rows]
+    if teacher is not None and not isinstance(teacher, torch.nn.Module):
+        teacher = [teacher[i] for i in rows]
+    loss, stats = policy_loss(
+        m, mine, kind, teacher, temperature, advantages=adv, n_tokens=n_tokens, **band
+    )
+    # the whole batch's statistics: token-weighted sums over the ranks
+    n = stats["tokens"] * weight
+    keys = [k for k in stats if k != "tokens"]
+    sums = torch.tensor([loss.item() * weight, n] + [stats[k] * n for k in keys], dtype=torch.float64)
+    dist.all_reduce(sums)
+    total = max(float(sums[1]), 1.0)
+    out = {"tokens": int(sums[1])}
+    for i, k in enumerate(keys):
+        out[k] = float(sums[2 + i]) / total
+    out["loss"] = float(sums[0])
+    return loss * (weight * world), out
+
+
+def rl_step(
+    m, optimizers, trajs, kind="agentic", teacher=None, grad_clip=1.0, temperature=1.0, world=1, rank=0, **band
+):
     """One RL update on a batch of Trajectory records (after filter_buffer): policy_loss, backward, the
     global gradient norm clipped to grad_clip (0: off), a step of every optimizer. The indexers must be
-    frozen (build_optimizers does it); the router bias is not touched. -> the step's log statistics."""
+    frozen (build_optimizers does it); the router bias is not touched. Under torchrun (world > 1, the model
+    sharded by train.py's FSDP2, parallel.shard_model) every rank calls it with the same whole batch and
+    trains its rows (rank_loss). -> the step's log statistics."""
     if any(p.requires_grad for n, p in m.named_parameters() if ".indexer." in n):
         raise ValueError(
             "RL trains with the indexers frozen; build the optimizers with rl.build_optimizers"
         )
     m.train()
-    loss, stats = policy_loss(m, trajs, kind, teacher, temperature, **band)
-    loss.backward()
     trainable = [p for p in m.parameters() if p.requires_grad]
-    grad_norm = torch.nn.utils.clip_grad_norm_(trainable, grad_clip if grad_clip > 0 else math.inf)
+    if world > 1:
+        loss, stats = rank_loss(m, trajs, kind, teacher, temperature, world, rank, **band)
+        loss.backward()
+        grad_norm = parallel.clip_grad_norm_(trainable, grad_clip if grad_clip > 0 else math.inf)
+    else:
+        loss, stats = policy_loss(m, trajs, kind, teacher, temperature, **band)
+        loss.backward()
+        stats["loss"] = loss.item()
+        grad_norm = torch.nn.utils.clip_grad_norm_(trainable, grad_clip if grad_clip > 0 else math.inf)
     for o in optimizers:
         o.step()
         o.zero_grad(set_to_none=True)
     rewards = [float(t.reward) for t in trajs]
     stats.update(
-        loss=loss.item(),
         grad_norm=float(grad_norm),
         reward=sum(rewards) / len(rewards),
         trajectories=len(trajs),
