@@ -47,21 +47,28 @@ The loop, one code path with a `mode` switch:
   padded counts, trajectories/s, trainer idle fraction) and the same record in out_dir/metrics.jsonl, with
   the held-out reward of every eval task every eval_every steps (and at step 0 and the end).
 
-At scale the replicas are URLs and a push writes the weights to storage every replica reads (what runs
-here: save_pretrained to out_dir/push, then the HTTP call); a torch.distributed broadcast group from the
-trainer's ranks to the replicas' would skip the disk and is not built.
+At scale the trainer runs under torchrun with train.py's sharding (FSDP2 over every block, the experts
+split by expert parallelism with --expert_parallel=True): rank 0 runs the loop, the orchestrator and the
+log, and broadcasts each step's whole batch; every rank trains its rows of it (rl.rank_loss: the whole
+batch's advantages and token count), FSDP2 reduces the gradients; a push or a checkpoint gathers the shards
+to rank 0 (parallel.full_state), which writes them. The replicas are URLs and a push writes the weights to
+storage every replica reads (what runs here: save_pretrained to out_dir/push, then the HTTP call); a
+torch.distributed broadcast group from the trainer's ranks to the replicas' would skip the disk and is not
+built.
 
 Run it:
     python rl_async.py configs/rl_toy.py        # the toy run: 2 serve.py replicas of the toy SFT model
     python rl_async.py configs/rl_toy.py --mode=sync --max_steps=5   # any setting as --key=value
     python rl_async.py configs/rl_toy.py --resume=True                # continue a killed run exactly
     python rl_async.py configs/rl_toy.py --replicas=http://10.0.0.5:8000,http://10.0.0.6:8000
+    torchrun --nproc_per_node=2 rl_async.py configs/rl_toy.py      # the trainer on two ranks (FSDP2)
 Tests: python -m pytest -q tests/test_rl.py tests/test_rl_async.py
 
 Honest limits: the toy run does not learn yet: configs/rl_toy.py's held-out reward stays where it starts,
 because the toy policy cannot copy from its context, which every toy task needs (README: the RL section);
-the trainer is one process (rl.rl_step on one device): train.py's torchrun / FSDP2 / expert parallel path is
-not wired into it yet, so the full config's RL does not run as-is; the learning rates, eps bands, K and tau
+under torchrun the trainer's step is checked against one process (tests/test_rl.py) and the loop was run
+by hand on two CPU ranks, not on GPUs, and the trainer computes in fp32 (no bf16 autocast); the learning
+rates, eps bands, K and tau
 are ours (GLM-5 does not publish its RL ones); rollout_timeout counts from a rollout's submission, its wait
 for a worker included; a timed-out rollout's thread cannot be killed (it holds its pool's worker until its
 HTTP timeout or its environment returns); a push goes to the replicas one after another, so for a moment
@@ -73,6 +80,7 @@ task (a cache hit, or another request in the same engine batch, moves a logprob 
 import ast
 import atexit
 import dataclasses
+import datetime
 import difflib
 import json
 import os
@@ -82,14 +90,16 @@ import sys
 import time
 
 import torch
+import torch.distributed as dist
 
 import engine
+import parallel
 import rl
 import serve
 from orchestrator import Orchestrator, parse_eval_tasks, parse_tasks
 from replicas import process_restarter, push_weights, start_replicas, stop_replicas, weight_version
 from rl import filter_buffer
-from train import save_checkpoint
+from train import pick_device, quiet, save_checkpoint
 
 # -----------------------------------------------------------------------------
 # The training loop: settings
@@ -126,6 +136,8 @@ rollout_timeout = 120.0  # seconds: a rollout still running then is abandoned an
 eval_every = 5  # held-out reward every this many steps (0: never), and at step 0 and the end
 eval_episodes = 16  # per task, on held-out seeds (envs.split_of), one sample each
 push_dtype = "float32"  # the dtype the pushed safetensors are written in
+device = "auto"  # the trainer's: "auto" (cuda > mps > cpu), "cpu", "cuda"; under torchrun cuda:LOCAL_RANK
+expert_parallel = False  # under torchrun: each rank holds n_routed_experts / world experts (train.py's)
 seed = 0  # the first training seed of every task; sampling seeds derive from the rollout id
 
 LOOP_DEFAULTS = {
@@ -246,12 +258,17 @@ def parse_teachers(spec):
 
 
 def save_rl_checkpoint(m, optimizers, step, version, orch, cfg):
-    """out_dir/ckpt.pt, atomically, in train.py's layout (engine.load_model and serve.py read it) plus what
-    the loop needs to resume: the orchestrator's state."""
+    """out_dir/ckpt.pt, atomically, in train.py's layout (engine.load_model and serve.py read it; whole
+    tensors keyed by name, parallel.full_state, so any world size resumes it) plus what the loop needs to
+    resume: the orchestrator's state. Under torchrun every rank must call it (the shards are gathered);
+    rank 0 writes."""
+    model_state, (muon_state, adamw_state) = parallel.full_state(m, optimizers)
+    if orch is None:
+        return  # a rank other than 0: its shards are gathered, rank 0 writes
     ckpt = {
-        "model": m.state_dict(),
-        "muon": optimizers[0].state_dict(),
-        "adamw": optimizers[1].state_dict(),
+        "model": model_state,
+        "muon": muon_state,
+        "adamw": adamw_state,
         "step": step,
         "version": version,
         "config": {"model": dataclasses.asdict(m.config), "train": {"stage": f"rl_{cfg['stage']}"}},
@@ -303,18 +320,27 @@ def cut_metrics(path, step):
 # The loop: generate, filter, train, push, log; async and sync are one path
 
 
-def train(m, tok, urls, cfg, log=print, revive=None):
+def train(m, tok, urls, cfg, log=print, revive=None, world=1, rank=0):
     """The RL loop over the replicas at urls. Each step: keep groups in flight (sync: exactly one batch,
     generated before the step trains; async: up to (1 + ahead) batches, generated while it trains), wait
     for groups_per_step finished groups, filter_buffer against the trainer's version, rl_step, push every
     push_every steps, checkpoint every ckpt_every steps, one log line and one JSONL record. revive(url):
-    restarts a dead replica (see Orchestrator). -> the list of records of this run."""
+    restarts a dead replica (see Orchestrator). Under torchrun (world > 1, m sharded by FSDP2) rank 0 runs
+    the loop and the orchestrator and tells the other ranks each collective to join (follow). -> the list
+    of records of this run (rank 0's)."""
+    optimizers = rl.build_optimizers(m, lr_muon=cfg["lr_muon"], lr_adamw=cfg["lr_adamw"])
+    teacher_of_task = load_teachers(cfg) if cfg["stage"] == "distill" else None
+    ck = None
+    if cfg["resume"]:
+        path, ck = load_resumable(cfg)
+        load_trainer_state(m, optimizers, ck)  # every rank: its shards of the weights and moments
+    if rank != 0:
+        follow(m, optimizers, cfg, teacher_of_task, world, rank)
+        return []
     os.makedirs(cfg["out_dir"], exist_ok=True)
     metrics = os.path.join(cfg["out_dir"], "metrics.jsonl")
     if not cfg["resume"] and os.path.exists(metrics):
         os.remove(metrics)  # a fresh run: its records alone (resume cuts the old ones back instead)
-    optimizers = rl.build_optimizers(m, lr_muon=cfg["lr_muon"], lr_adamw=cfg["lr_adamw"])
-    teacher_of_task = load_teachers(cfg) if cfg["stage"] == "distill" else None
     orch = Orchestrator(urls, tok, cfg, revive)
     per_step = cfg["groups_per_step"]
     target = per_step if cfg["mode"] == "sync" else per_step * (1 + cfg["ahead"])
@@ -323,7 +349,7 @@ def train(m, tok, urls, cfg, log=print, revive=None):
     try:
         first = 1
         if cfg["resume"]:
-            done, version = resume_from(m, optimizers, orch, cfg, log)
+            done, version = resume_from(m, ck, path, orch, cfg, log, world)
             first = done + 1
         elif cfg["eval_every"]:
             record = {"step": 0, "version": 0, "mode": cfg["mode"], "stage": cfg["stage"]}
@@ -341,18 +367,9 @@ def train(m, tok, urls, cfg, log=print, revive=None):
             record = {"step": step, "version": version, "mode": cfg["mode"], "stage": cfg["stage"]}
             record["groups"] = groups  # the groups this step took from the buffer, trained or dropped
             if kept:
-                teacher = None  # distill: one teacher model per trajectory, its task's
-                if teacher_of_task is not None:
-                    teacher = [teacher_of_task[orch.task_of(t.group)] for t in kept]
-                stats = rl.rl_step(
-                    m,
-                    optimizers,
-                    kept,
-                    STAGE_LOSS[cfg["stage"]],
-                    teacher=teacher,
-                    grad_clip=cfg["grad_clip"],
-                    temperature=cfg["temperature"],
-                )
+                tasks = [orch.task_of(t.group) for t in kept]  # distill: each trajectory's teacher is its task's
+                tell(world, "step", kept, tasks)
+                stats = train_step(m, optimizers, kept, tasks, teacher_of_task, cfg, world, rank)
                 version += 1
                 record.update(stats)
             orch.used(groups)
@@ -364,7 +381,7 @@ def train(m, tok, urls, cfg, log=print, revive=None):
             # a push every push_every steps, and before a checkpoint, so that a resumed run's replicas (which
             # get the checkpoint's weights) hold what the uninterrupted run's hold
             if version != pushed and (version % cfg["push_every"] == 0 or save):
-                push(m, orch, version, cfg)
+                push(m, orch, version, cfg, world)
                 if cfg["reset_on_push"]:
                     rl.reset_optimizers(optimizers)
             dt = time.time() - t0
@@ -377,17 +394,87 @@ def train(m, tok, urls, cfg, log=print, revive=None):
                 f.write(json.dumps(record) + "\n")
             records.append(record)
             if save:
+                tell(world, "save", step, version)
                 save_rl_checkpoint(m, optimizers, step, version, orch, cfg)
     finally:
         orch.close()
+        tell(world, "stop")
     return records
 
 
-def push(m, orch, version, cfg):
+def train_step(m, optimizers, kept, tasks, teacher_of_task, cfg, world, rank):
+    """rl.rl_step with this stage's loss; distill gives each trajectory its task's teacher."""
+    teacher = None
+    if teacher_of_task is not None:
+        teacher = [teacher_of_task[task] for task in tasks]
+    return rl.rl_step(
+        m,
+        optimizers,
+        kept,
+        STAGE_LOSS[cfg["stage"]],
+        teacher=teacher,
+        grad_clip=cfg["grad_clip"],
+        temperature=cfg["temperature"],
+        world=world,
+        rank=rank,
+    )
+
+
+# -----------------------------------------------------------------------------
+# The trainer under torchrun: rank 0 runs the loop; every collective it starts, the others join
+#
+# Rank 0 alone talks to the replicas, plays the rollouts and logs. Before each collective it broadcasts
+# what comes (the step's whole batch, a push, a checkpoint, the end); follow() on the other ranks runs the
+# same call. Each rank trains its rows of the batch (rl.rank_loss); FSDP2 reduces the gradients; a push or
+# a checkpoint gathers the shards to rank 0, which writes them.
+
+
+def tell(world, *order):
+    """Rank 0: broadcast the next collective to the other ranks (nothing with one process)."""
+    if world > 1:
+        dist.broadcast_object_list([order], src=0)
+
+
+def follow(m, optimizers, cfg, teacher_of_task, world, rank):
+    """The loop of a rank other than 0: join each collective rank 0 announces until it says stop."""
+    while True:
+        box = [None]
+        dist.broadcast_object_list(box, src=0)
+        order = box[0]
+        if order[0] == "step":
+            train_step(m, optimizers, order[1], order[2], teacher_of_task, cfg, world, rank)
+        elif order[0] == "push":
+            whole_state(m, world)
+        elif order[0] == "save":
+            save_rl_checkpoint(m, optimizers, order[1], order[2], None, cfg)
+        elif order[0] == "stop":
+            return
+
+
+def whole_state(m, world):
+    """The model's state dict in whole CPU tensors (under torchrun the shards gathered to rank 0; every
+    rank must call it)."""
+    if world == 1:
+        return m.state_dict()
+    return parallel.full_state(m, [])[0]
+
+
+def load_trainer_state(m, optimizers, ck):
+    """A checkpoint's weights and optimizer moments into the trainer, sharded or not (every rank)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    set_model_state_dict(m, ck["model"], options=StateDictOptions(full_state_dict=True))
+    parallel.load_optimizer_states(m, optimizers, [ck["muon"], ck["adamw"]])
+
+
+def push(m, orch, version, cfg, world=1):
     """Save the trainer's weights to out_dir/push/v<version>, have every live replica load them, drop the
     ones that do not answer, delete the older pushes."""
     path = os.path.join(cfg["out_dir"], "push", f"v{version}")
-    for url in push_weights(m, orch.live_urls(), path, version, getattr(torch, cfg["push_dtype"])):
+    tell(world, "push")
+    state = whole_state(m, world)
+    dtype = getattr(torch, cfg["push_dtype"])
+    for url in push_weights(m, orch.live_urls(), path, version, dtype, state=state):
         orch.drop_replica(url)
     forget_pushes(cfg["out_dir"], keep=orch.latest[0] if orch.latest else None, now=path)
     orch.latest = (path, version)
@@ -413,13 +500,10 @@ def load_resumable(cfg):
     return path, ck
 
 
-def resume_from(m, optimizers, orch, cfg, log):
-    """Load out_dir/ckpt.pt into the trainer, give its weights to the replicas as its version, replay its
-    untrained groups, cut metrics.jsonl back to its step. -> (its step, its version)."""
-    path, ck = load_resumable(cfg)
-    m.load_state_dict(ck["model"])
-    optimizers[0].load_state_dict(ck["muon"])
-    optimizers[1].load_state_dict(ck["adamw"])
+def resume_from(m, ck, path, orch, cfg, log, world=1):
+    """Rank 0's half of a resume (the trainer's state is already loaded, load_trainer_state): give the
+    checkpoint's weights to the replicas as its version, replay its untrained groups, cut metrics.jsonl back
+    to its step. -> (its step, its version)."""
     step = ck["step"]
     version = ck["version"]
     ahead_of_us = [u for u in orch.live_urls() if (weight_version(u) or 0) > version]
@@ -429,7 +513,7 @@ def resume_from(m, optimizers, orch, cfg, log):
             f"the checkpoint's {version}, and versions only increase; restart the replicas, then resume"
         )
     if version > 0:
-        push(m, orch, version, cfg)
+        push(m, orch, version, cfg, world)
     orch.restore(ck["rl"]["orchestrator"])
     cut_metrics(os.path.join(cfg["out_dir"], "metrics.jsonl"), step)
     pending = len(ck["rl"]["orchestrator"]["pending"])
@@ -524,8 +608,14 @@ def ensure_toy_policy(here=None):
 
 def main(argv):
     cfg = resolve_config(argv)
-    print("settings:", json.dumps(cfg))
+    # torchrun sets RANK, LOCAL_RANK, WORLD_SIZE: one trainer process per device, rank 0 drives the loop
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    rank = int(os.environ.get("RANK", 0))
+    log = print if rank == 0 else quiet
+    log("settings:", json.dumps(cfg))
     if cfg["init_from"] == TOY_POLICY and not os.path.exists(TOY_POLICY):
+        if world > 1:
+            raise SystemExit(f"no toy policy at {TOY_POLICY}: make it first with one process (no torchrun)")
         ensure_toy_policy()
     if not os.path.exists(cfg["init_from"]):
         raise SystemExit(
@@ -533,25 +623,48 @@ def main(argv):
         )
     if cfg["resume"]:
         load_resumable(cfg)  # before anything starts: a refused resume costs nothing
+    dev = pick_device(cfg["device"])
+    if world > 1 and dev.startswith("cuda"):
+        dev = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+    if world > 1:
+        if dev == "mps":
+            raise SystemExit("torchrun with mps is not supported; use --device=cpu (gloo) or cuda GPUs (nccl)")
+        # rank 0 evaluates and waits for rollouts while the others wait in a broadcast: a long timeout
+        dist.init_process_group(
+            "nccl" if dev.startswith("cuda") else "gloo", timeout=datetime.timedelta(hours=2)
+        )
+        if dev.startswith("cuda"):
+            torch.cuda.set_device(dev)
     torch.manual_seed(cfg["seed"])
-    m = engine.load_model(cfg["init_from"])
+    m = engine.load_model(cfg["init_from"], device=dev)
+    rl.freeze_for_rl(m)
+    if world > 1:  # train.py's sharding: FSDP2 over every block and the root, the experts split by EP
+        mesh = torch.distributed.device_mesh.init_device_mesh(dev.split(":")[0], (world,))
+        experts = parallel.shard_experts(m) if cfg["expert_parallel"] else ()
+        parallel.shard_model(m, mesh, ignored=experts)
     tok = serve.load_tokenizer(None, cfg["init_from"], m.config.vocab_size)
     procs = {}
     revive = None
     urls = [u.strip() for u in cfg["replicas"].split(",") if u.strip()]
-    if not urls:
+    if not urls and rank == 0:
         urls, procs = start_replicas(cfg["init_from"], cfg["num_replicas"])
         atexit.register(stop_replicas, procs)
         revive = process_restarter(procs, cfg["init_from"])
+    if procs and dev == "cpu":
         # the replicas take a core each: a trainer with more threads than the cores left thrashes (5-10x
         # slower steps on a 2-core machine)
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) - cfg["num_replicas"]))
-    print(f"replicas: {', '.join(urls)}")
+        torch.set_num_threads(max(1, ((os.cpu_count() or 1) - cfg["num_replicas"]) // world))
+    log(f"replicas: {', '.join(urls)}; trainer on {dev} x {world}")
     try:
-        records = train(m, tok, urls, cfg, revive=revive)
+        records = train(m, tok, urls, cfg, log=log, revive=revive, world=world, rank=rank)
+        if world > 1:
+            dist.barrier()  # no rank tears its connections down while another still finishes
     finally:
         stop_replicas(procs)
-    print_curve(records, cfg)
+        if world > 1:
+            dist.destroy_process_group()
+    if rank == 0:
+        print_curve(records, cfg)
 
 
 def print_curve(records, cfg):
