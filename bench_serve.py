@@ -37,8 +37,9 @@ import time
 
 import torch
 
-import model as glm
 import engine
+import model as glm
+import weights
 from bench_train import describe_machine
 from train import pick_device, sync
 from data import DataLoader
@@ -190,12 +191,160 @@ def bench_dsa(contexts, reps, dev, dtype):
     return rows
 
 
+# -----------------------------------------------------------------------------
+# Part 0: the engine against transformers' GlmMoeDsaForCausalLM.generate on the same weights
+
+
+def to_transformers(m):
+    """Our GLM5 -> transformers' GlmMoeDsaForCausalLM holding the same weights, or None (with the reason
+    printed) when transformers or its GLM-5 model is absent. Our names are the released ones
+    (weights.py); transformers stacks each layer's experts into gate_up_proj (E, 2I, D) and down_proj
+    (E, D, I), and has no MTP block (the released checkpoint's layer L, which it ignores on load)."""
+    try:
+        from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
+    except ImportError as e:
+        print(f"skipped: transformers with GlmMoeDsaForCausalLM is not installed ({e}); pip install transformers")
+        return None
+    c = m.config
+    ours_only = ("num_mtp_steps", "dsa_mode", "architectures", "model_type")
+    d = {k: v for k, v in weights.config_to_json(c).items() if k not in ours_only}
+    hf = GlmMoeDsaForCausalLM(GlmMoeDsaConfig(**d))
+    sd = {n: t for n, t in m.state_dict().items() if not n.startswith("mtp_layers.")}
+    for i in range(c.first_k_dense_replace, c.num_hidden_layers):
+        p = f"model.layers.{i}.mlp.experts."
+        E = range(c.n_routed_experts)
+        sd[p + "gate_up_proj"] = torch.stack(
+            [torch.cat([sd.pop(f"{p}{e}.gate_proj.weight"), sd.pop(f"{p}{e}.up_proj.weight")]) for e in E]
+        )  # (E, 2I, D): gate rows first, as transformers' chunk(2) reads them
+        sd[p + "down_proj"] = torch.stack([sd.pop(f"{p}{e}.down_proj.weight") for e in E])  # (E, D, I)
+    hf.load_state_dict(sd, strict=True)
+    p = next(m.parameters())
+    hf = hf.to(device=p.device, dtype=p.dtype).eval()
+    hf.generation_config.eos_token_id = None  # every request runs to its max_tokens, as ignore_eos does
+    hf.generation_config.pad_token_id = 0
+    return hf
+
+
+def hf_generate(hf, prompts, n_new):
+    """Greedy generate over one left-padded batch -> each row's n_new new token ids."""
+    T = max(len(p) for p in prompts)
+    dev = hf.device
+    ids = torch.tensor([[0] * (T - len(p)) + p for p in prompts], device=dev)
+    mask = torch.tensor([[0] * (T - len(p)) + [1] * len(p) for p in prompts], device=dev)
+    with torch.no_grad():
+        out = hf.generate(ids, attention_mask=mask, max_new_tokens=n_new, do_sample=False)
+    return out[:, T:].tolist()
+
+
+def bench_vs_transformers(m, tok, prompts, n_new, batches, dev):
+    """Same prompts, greedy, whole batches: the engine (one request per row, continuous batching) against
+    transformers' generate (the batch at once). Outputs are compared token for token."""
+    hf = to_transformers(m)
+    if hf is None:
+        return []
+    greedy = engine.SamplingParams(max_tokens=n_new, temperature=0, ignore_eos=True)
+    pages = -(-(len(prompts[0]) + n_new) // 16) * max(batches) + 8
+    hf_generate(hf, prompts[:1], 4)  # warm-up, both
+    engine.Engine(m, tok, num_pages=pages, max_batch=1, prefix_cache=False).generate(prompts[:1], greedy)
+    rows = []
+    for b in batches:
+        eng = engine.Engine(m, tok, num_pages=pages, page_size=16, max_batch=b, prefix_cache=False)
+        ref, t_hf = timed(lambda: hf_generate(hf, prompts[:b], n_new), dev)
+        rs, t = timed(lambda: eng.generate(prompts[:b], greedy), dev)
+        same = sum(r.out == o for r, o in zip(rs, ref))
+        rows.append((b, t_hf / t, same))
+        print(
+            f"batch {b:>2}: engine {b * n_new / t:7.1f} tok/s, transformers generate {b * n_new / t_hf:7.1f} "
+            f"tok/s: {t_hf / t:.2f}x; {same}/{b} outputs identical",
+            flush=True,
+        )
+    return rows
+
+
+def mixed_workload(n, vocab_size, loader, seed):
+    """n requests with prompt lengths 16..128 and output lengths 8..96, arriving as a Poisson process:
+    -> [(arrival offset in s, prompt, max_tokens)] in arrival order. The mean gap is set by the caller."""
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(16, 129, (n,), generator=g).tolist()
+    outs = torch.randint(8, 97, (n,), generator=g).tolist()
+    gaps = torch.empty(n).exponential_(generator=g).tolist()
+    reqs = []
+    t = 0.0
+    for L, k, gap in zip(lens, outs, gaps):
+        reqs.append((t, prompts_from(loader, 1, L, vocab_size, seed=seed + len(reqs))[0], k))
+        t += gap
+    return reqs
+
+
+def bench_mixed(m, tok, n, mean_gap, max_batch, dev, loader):
+    """Requests arriving over time. The engine admits each one at the first step after it arrives and
+    finishes each at its own length (continuous batching); transformers' generate serves what has arrived
+    as one left-padded batch, up to max_batch, and the next batch waits for it (static batching, the way
+    generate is used behind a queue), each batch running to its longest request. Throughput counts only
+    the tokens requested; latency is arrival to last token."""
+    hf = to_transformers(m)
+    if hf is None:
+        return None
+    reqs = [(t * mean_gap, p, k) for t, p, k in mixed_workload(n, m.config.vocab_size, loader, seed=7)]
+    useful = sum(k for _, _, k in reqs)
+    eng = engine.Engine(m, tok, num_pages=n * 16, page_size=16, max_batch=max_batch, prefix_cache=True)
+
+    def run_engine():
+        done = {}
+        pending = list(enumerate(reqs))
+        live = []
+        t0 = time.perf_counter()
+        while pending or live:
+            now = time.perf_counter() - t0
+            while pending and pending[0][0] <= now:
+                i, (t, p, k) = pending.pop(0)
+                sp = engine.SamplingParams(max_tokens=k, temperature=0, ignore_eos=True)
+                live.append((i, t, eng.submit(p, sp)))
+            if not live:
+                time.sleep(min(0.001, pending[0][0] - now))
+                continue
+            eng.step()
+            now = time.perf_counter() - t0
+            for i, t, r in [x for x in live if x[2].finish is not None]:
+                done[i] = (r.out, now - t)
+            live = [x for x in live if x[2].finish is None]
+        return [done[i] for i in range(len(reqs))], time.perf_counter() - t0
+
+    def run_hf():
+        outs = []
+        pending = list(reqs)
+        t0 = time.perf_counter()
+        while pending:
+            now = time.perf_counter() - t0
+            if pending[0][0] > now:  # idle until the next arrival
+                time.sleep(pending[0][0] - now)
+                now = pending[0][0]
+            batch = [x for x in pending if x[0] <= now][:max_batch]
+            pending = pending[len(batch) :]
+            got = hf_generate(hf, [p for _, p, _ in batch], max(k for _, _, k in batch))
+            end = time.perf_counter() - t0
+            outs += [(o[:k], end - t) for (t, _, k), o in zip(batch, got)]
+        return outs, time.perf_counter() - t0
+
+    hf_out, t_hf = run_hf()
+    eng_out, t_eng = run_engine()
+    same = sum(a[0] == b[0] for a, b in zip(eng_out, hf_out))
+    lat_e = statistics.mean(x[1] for x in eng_out)
+    lat_h = statistics.mean(x[1] for x in hf_out)
+    print(
+        f"mixed workload, {n} requests (prompts 16-128, outputs 8-96 tokens, mean gap {mean_gap * 1e3:.0f} ms): "
+        f"engine {useful / t_eng:.1f} tok/s, mean latency {lat_e:.2f}s; transformers {useful / t_hf:.1f} tok/s, "
+        f"mean latency {lat_h:.2f}s: {t_hf / t_eng:.2f}x throughput; {same}/{n} outputs identical"
+    )
+    return t_hf / t_eng
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
         "--ckpt", default=os.path.join(HERE, "out/ckpt.pt"), help="train.py checkpoint or save_pretrained dir"
     )
-    ap.add_argument("--parts", default="throughput,mtp,dsa")
+    ap.add_argument("--parts", default="transformers,throughput,mtp,dsa")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--prompt_len", type=int, default=64)
     ap.add_argument("--new_tokens", type=int, default=64)
@@ -206,19 +355,19 @@ def main():
     ap.add_argument("--mtp_prompts", type=int, default=8)
     ap.add_argument("--drafts", default="1,2,3,4")
     ap.add_argument("--contexts", default="16384,65536")
+    ap.add_argument("--mixed_requests", type=int, default=48, help="requests in the mixed-length workload")
+    ap.add_argument("--mixed_gap", type=float, default=0.05, help="mean gap between their arrivals, in s")
     ap.add_argument("--reps", type=int, default=5)
     a = ap.parse_args()
     parts = set(a.parts.split(","))
-    if parts - {"throughput", "mtp", "dsa"}:
-        raise SystemExit(
-            f"unknown part(s) {sorted(parts - {'throughput', 'mtp', 'dsa'})}; "
-            "choose from throughput, mtp, dsa"
-        )
+    known = {"transformers", "throughput", "mtp", "dsa"}
+    if parts - known:
+        raise SystemExit(f"unknown part(s) {sorted(parts - known)}; choose from {', '.join(sorted(known))}")
     dev = pick_device(a.device)
     print(describe_machine(dev), flush=True)
 
     trained = os.path.exists(a.ckpt)
-    if parts & {"throughput", "mtp"}:
+    if parts & {"transformers", "throughput", "mtp"}:
         if trained:
             m = engine.load_model(a.ckpt, device=dev)
             print(f"model: {a.ckpt}")
@@ -235,6 +384,17 @@ def main():
         prompts = prompts_from(
             loader, max(batches + [a.mtp_prompts]), a.prompt_len, m.config.vocab_size, seed=1
         )
+    if "transformers" in parts:
+        print(
+            f"\n== 0. against transformers' GlmMoeDsaForCausalLM.generate, same weights, sparse attention "
+            f"(DSA top-{m.config.index_topk}): prompts of {a.prompt_len} tokens, {a.new_tokens} new tokens "
+            "each, greedy =="
+        )
+        mode = m.config.dsa_mode
+        m.config.dsa_mode = "sparse"  # transformers' model always selects; the toy pretrains dense
+        bench_vs_transformers(m, tok, prompts, a.new_tokens, batches, dev)
+        bench_mixed(m, tok, a.mixed_requests, a.mixed_gap, max(batches), dev, loader)
+        m.config.dsa_mode = mode
     if "throughput" in parts:
         print(
             f"\n== 1. throughput: prompts of {a.prompt_len} tokens, {a.new_tokens} new tokens each, greedy =="
