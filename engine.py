@@ -47,14 +47,21 @@ Tests: python -m pytest -q tests/test_engine.py
 Prefill is batched: every request admitted in a step is prefilled in that step, rows of similar length
 right-padded into one forward (the padding writes to a scratch page), prompts longer than prefill_chunk in
 chunks; then the step decodes every running row, the new ones included. Sampling is batched over the rows:
-one argmax for the greedy rows, one log_softmax for the logprobs, one host sync per step.
+one argmax for the greedy rows, one log_softmax for the logprobs, one host sync per step; the model's
+forward itself never reads a value back (the cache's length is set on the host).
+Attention reads the page pool in place when the pool is at most twice the longest history (one long
+request, a full server): DSA scores the index keys in the pool and reads only the selected latent rows,
+dense attention scores every pool row under a mask; no history is copied. Otherwise (a large pool, short
+rows) each row's history is gathered into a (B, S, 576) tensor per layer, which is also the reference
+path (PagedCache(in_place=False)) the tests hold the in-place one to.
 
 Honest limits: a long prompt's chunks all run in the step that admits it (vLLM interleaves them with
 other rows' decode steps, which keeps decode latency flat); rows of very different lengths prefill in
-separate forwards. Pages for prompt + max_tokens are reserved at admission (no preemption); each step gathers every row's pages into a
-contiguous (B, S, 576) tensor per layer (a real engine reads the pages inside the attention kernel); one
-process, one device. The MTP block's drafts 2..N reuse its cache slots at the next positions, an
-approximation that lowers the accept rate but never changes the output. Penalties count a row's tokens
+separate forwards. Pages for prompt + max_tokens are reserved at admission (no preemption). In place,
+the pool's scores cost up to twice the rows' own (a paged attention kernel reads each row's pages only;
+on a GPU the Triton index kernel still gets gathered keys); one process, one device. The MTP block's
+drafts 2..N reuse its cache slots at the next positions, an approximation that lowers the accept rate
+but never changes the output. Penalties count a row's tokens
 from its Python list at every step (vLLM keeps the counts on the device). A weight update holds two
 copies of the weights while it loads, and recomputes each running request's cache with one prefill
 (AReaL's choice; SGLang can also keep the stale cache or abort); weights come from disk only (no
@@ -123,31 +130,54 @@ class PagedCache:
     stores each row's new tokens at their positions and returns each row's history gathered into
     (B, S, ...), the same API as model.KVCache.write."""
 
-    def __init__(self, cfg, num_pages, page_size, device, dtype):
+    def __init__(self, cfg, num_pages, page_size, device, dtype, in_place=True):
         L = cfg.num_hidden_layers + cfg.num_nextn_predict_layers
         self.page_size = page_size
         self.num_pages = num_pages
         self.scratch = num_pages  # one extra page, never handed out: padded rows write their padding here
         latent = cfg.kv_lora_rank + cfg.qk_rope_head_dim
         self.kv = torch.zeros(L, num_pages + 1, page_size, latent, device=device, dtype=dtype)
-        self.index_k = torch.zeros(L, num_pages + 1, page_size, cfg.index_head_dim, device=device, dtype=dtype)
+        self.index_k = torch.zeros(
+            L, num_pages + 1, page_size, cfg.index_head_dim, device=device, dtype=dtype
+        )
         self.free = list(range(num_pages - 1, -1, -1))  # a stack: pop() gives the lowest id first
         self.ref = [0] * num_pages  # how many requests use each page
         self.cached = collections.OrderedDict()  # prefix hash -> page id, least recently used first
         self.page_hash = [None] * num_pages
         self.tables = None
         self.length = None  # the furthest position of this forward + 1, set on the host with `tables`
+        self.in_place = in_place  # False: always gather each row's history (the reference path)
+        self.rows = None
+
+    def point(self, tables, length):
+        """Before a forward: tables (B, n) page ids per row, length = the furthest position + 1 (a host
+        int, so no layer reads positions back from the device). When the pool is at most twice the
+        longest history (one long request; a full server), attention reads the pool in place through
+        `rows` (B, S), each position's pool row: the pool's scores cost at most twice the rows' own, and
+        nothing is copied. Otherwise (a large pool, short rows) write() gathers each row's history."""
+        self.tables = tables
+        self.length = length
+        P = self.page_size
+        self.rows = None
+        if self.in_place and self.kv.shape[1] * P <= 2 * length:
+            s = torch.arange(length, device=tables.device)
+            self.rows = tables[:, s // P] * P + s % P  # (B, S)
 
     def write(self, layer_id, positions, latent, index_k):
         """positions (B, T); latent (B, T, C + R); index_k (B, T, index_head_dim) -> every row's
-        history (B, S, C + R) and (B, S, index_head_dim), S = self.length (the engine sets it with the
-        tables, so no layer reads positions back from the device)."""
+        history (B, S, C + R) and (B, S, index_head_dim) (the model.KVCache.write API), or with
+        self.rows set the layer's pools (N, C + R) and (N, index_head_dim), N = pages x page_size, read
+        in place (model.MLA.forward)."""
         P = self.page_size
         rows = torch.arange(positions.shape[0], device=positions.device)[:, None]
         pages = self.tables[rows, positions // P]  # (B, T)
         slots = positions % P  # (B, T)
         self.kv[layer_id][pages, slots] = latent.to(self.kv.dtype)
         self.index_k[layer_id][pages, slots] = index_k.to(self.index_k.dtype)
+        if self.rows is not None:
+            return self.kv[layer_id].view(-1, self.kv.shape[-1]), self.index_k[layer_id].view(
+                -1, self.index_k.shape[-1]
+            )
         S = self.length
         t = self.tables[:, : (S + P - 1) // P]  # (B, n pages)
         B = t.shape[0]
@@ -375,13 +405,14 @@ class Engine:
         default_max_tokens=1024,
         version=0,
         prefill_chunk=512,
+        in_place=True,
     ):
         self.model = model
         self.tok = tok
         self.cfg = model.config
         p = next(model.parameters())
         self.device = p.device
-        self.cache = PagedCache(self.cfg, num_pages, page_size, p.device, p.dtype)
+        self.cache = PagedCache(self.cfg, num_pages, page_size, p.device, p.dtype, in_place)
         self.max_batch = max_batch
         self.max_waiting = max_waiting
         self.default_max_tokens = default_max_tokens  # chat without max_tokens (pages are reserved up front)
@@ -520,7 +551,9 @@ class Engine:
         todo = {id(r): r.n_cached for r in rows}  # each row's next prompt position to prefill
         while todo:
             live = [r for r in rows if id(r) in todo]
-            for group in similar_lengths(live, [len(r.prompt) - todo[id(r)] for r in live], self.prefill_chunk):
+            for group in similar_lengths(
+                live, [len(r.prompt) - todo[id(r)] for r in live], self.prefill_chunk
+            ):
                 starts = [todo[id(r)] for r in group]
                 n = [min(len(r.prompt) - s, self.prefill_chunk) for r, s in zip(group, starts)]
                 T = max(n)
@@ -540,9 +573,14 @@ class Engine:
                 if self.spec:  # the chunk through the MTP block: its cache and, at the end, the first draft
                     mtp_rows = [i for i, r in enumerate(group) if r.finish is None]
                     if mtp_rows:
-                        nxt = [(group[i].tokens[starts[i] + 1 : starts[i] + n[i] + 1] + [0] * T)[:T] for i in mtp_rows]
+                        nxt = [
+                            (group[i].tokens[starts[i] + 1 : starts[i] + n[i] + 1] + [0] * T)[:T]
+                            for i in mtp_rows
+                        ]
                         nxt = torch.tensor(nxt, device=self.device)
-                        lg, h2 = self.mtp(h[mtp_rows], nxt, [starts[i] for i in mtp_rows], [group[i] for i in mtp_rows])
+                        lg, h2 = self.mtp(
+                            h[mtp_rows], nxt, [starts[i] for i in mtp_rows], [group[i] for i in mtp_rows]
+                        )
                         for j, i in enumerate(mtp_rows):
                             group[i].draft_logits = lg[j, n[i] - 1]
                             group[i].h_mtp = h2[j, n[i] - 1]
@@ -562,8 +600,7 @@ class Engine:
         P = self.cache.page_size
         n = max(max(len(r.pages) for r in rows), -(-(max(starts) + T) // P))
         tables = [r.pages + [self.cache.scratch] * (n - len(r.pages)) for r in rows]
-        self.cache.tables = torch.tensor(tables, device=self.device)  # (B, n)
-        self.cache.length = max(starts) + T  # host-side: no layer reads the positions back
+        self.cache.point(torch.tensor(tables, device=self.device), max(starts) + T)  # tables (B, n)
         start = torch.tensor(starts, device=self.device)
         positions = start.view(-1, 1) + torch.arange(T, device=self.device)  # (B, T)
         c = self.cfg

@@ -90,6 +90,34 @@ def test_batched_chunked_prefill_with_prefix_hits_equals_alone(ckpt, one_thread,
     assert eng.cache.available() == eng.cache.num_pages
 
 
+@pytest.mark.parametrize("mode", ["sparse", "dense"])
+def test_attention_over_the_page_pool_in_place_equals_the_gathered_history(ckpt, one_thread, mode):
+    """A pool at most twice the history is read in place (each position's pool row, pages handed out
+    out of order) instead of gathered per row: DSA's index keys and selected latents, and dense
+    attention's every latent. Greedy outputs and logprobs equal the gathering reference path."""
+    sp = dataclasses.replace(GREEDY, max_tokens=14, logprobs=1)
+    prompts = [list(range(30, 60)), list(range(100, 118))]  # 11 + 8 pages of 4 for prompt + max_tokens
+    out = {}
+    for in_place in (True, False):
+        # 19 pages + the scratch page = 80 slots: gathered while the longest history is under 40 tokens
+        eng = make_engine(ckpt, num_pages=19, in_place=in_place, prefix_cache=False)
+        eng.model.config.dsa_mode = mode
+        eng.cache.free = [5, 17, 2, 11, 0, 8, 14, 3, 9, 15, 1, 6, 12, 18, 4, 10, 16, 7, 13]  # out of order
+        seen = []
+        real = eng.cache.point
+
+        def point(tables, length):
+            real(tables, length)
+            seen.append(eng.cache.rows is not None)
+
+        eng.cache.point = point
+        out[in_place] = eng.generate(prompts, sp)
+        assert seen[-1] == in_place and not seen[0]  # the last steps in place, the prefill gathered
+    for a, b in zip(out[True], out[False]):
+        assert a.out == b.out
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=1e-9)
+
+
 def test_prefill_groups_rows_of_similar_length():
     rows = list("abcde")
     assert engine.similar_lengths(rows, [8, 8, 8, 8, 8], 512) == [rows]
