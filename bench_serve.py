@@ -370,17 +370,17 @@ def bench_mixed(m, tok, n, mean_gap, max_batch, dev, loader):
 
     def run_engine():
         done = {}
-        pending = list(enumerate(reqs))
+        pending = [(t, i, p, k) for i, (t, p, k) in enumerate(reqs)]  # (arrival, index, prompt, max_tokens)
         live = []
         t0 = time.perf_counter()
         while pending or live:
             now = time.perf_counter() - t0
             while pending and pending[0][0] <= now:
-                i, (t, p, k) = pending.pop(0)
+                t, i, p, k = pending.pop(0)
                 sp = engine.SamplingParams(max_tokens=k, temperature=0, ignore_eos=True)
                 live.append((i, t, eng.submit(p, sp)))
-            if not live:
-                time.sleep(min(0.001, pending[0][0] - now))
+            if not live:  # idle until the next arrival
+                time.sleep(max(0.0, pending[0][0] - now))
                 continue
             eng.step()
             now = time.perf_counter() - t0

@@ -540,7 +540,9 @@ class Engine:
             if len(rows) == 1:
                 return self.fail(rows[0], e)
             for r in rows:
-                if r.finish is None and id(r) not in done:
+                if r.finish is None and id(r) not in done and r.out:  # it failed past its first token
+                    self.fail(r, e)
+                elif r.finish is None and id(r) not in done:
                     try:
                         self.prefill_rows([r], done)
                     except Exception as e1:
