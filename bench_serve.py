@@ -1,26 +1,40 @@
 """
 Serving benchmarks for engine.py, each measured side by side in one run on the same model and prompts:
 
+0. vs transformers  engine.Engine against the peer a user would pick: transformers'
+                GlmMoeDsaForCausalLM.generate on the same weights (our checkpoint converted in memory: the
+                names are the released ones, transformers stacks the experts), sparse attention, greedy, at
+                batch 1, 8 and 32 (one batch, all prompts of one length), and a mixed workload: requests of
+                16-128 prompt and 8-96 output tokens arriving over time, which the engine batches
+                continuously and generate serves as left-padded batches of what has arrived. Outputs are
+                compared token for token. transformers is optional: without it this part says so.
 1. throughput   engine.Engine (paged latent cache, continuous batching) at batch 1, 8 and 32 against a
                 naive loop that re-runs the full forward over the whole sequence for every new token, one
                 request at a time (no cache, no batching). Greedy; the engine's tokens are checked against
                 the naive loop's. tokens/s = generated tokens / wall time, prefill included.
 2. MTP          speculative decoding with the MTP block (GLM-5 report, section 2: accept length 2.76 with
                 4 drafted tokens), batch 1, greedy: the accept length (tokens appended per verify forward,
-                the bonus token included, as the report counts it) for 1..4 drafted tokens, and the
-                wall-clock speedup over plain decoding with the same engine. Needs a trained checkpoint (an
-                untrained MTP block drafts noise): train.py's out/ckpt.pt.
+                the bonus token included, as the report counts it) for 1..4 drafted tokens, how often each
+                draft position is accepted, and the wall-clock speedup over plain decoding with the same
+                engine; the cost of a step, an MTP forward and a verify forward, the accept length at which
+                drafting breaks even here, and the speedup the measured accept length projects to at
+                GLM-5's size (the MTP block is one layer of 78 there, about a third of a step here).
+                Needs a trained checkpoint (an untrained MTP block drafts noise): train.py's out/ckpt.pt.
 3. DSA          one decode step of one GLM-5 layer with the published attention shapes (64 heads, a 512 +
                 64 latent, the indexer's 32 heads x 128, top-2048; GLM-5 report, section 2; DeepSeek-V3.2
                 report), batch 1, at 16K and 64K cached tokens: DSA (indexer over all keys, attention over
-                2048 selected latents) against dense attention over all of them; both with model.KVCache
-                (contiguous) and engine.PagedCache (pages gathered per step, as the engine runs). The cache
-                is filled with random latents: prefilling 64K tokens densely on a CPU takes too long, and
-                the step's cost does not depend on the values.
+                2048 selected latents) against dense attention over all of them, with model.KVCache
+                (contiguous), engine.PagedCache read in place (as the engine runs: the index keys scored
+                in the pool, only the selected latent rows read) and PagedCache gathering each history
+                (the reference path). Next to each time: the least the step must read (the weights, the
+                index keys and the selected latents; dense: every latent) and the bound that sets at the
+                measured copy bandwidth. The cache is filled with random latents: prefilling 64K tokens
+                densely on a CPU takes too long, and the step's cost does not depend on the values.
 
 Run it:
     python train.py configs/toy.py          # first: the trained toy checkpoint (out/ckpt.pt), parts 1-2
-    python bench_serve.py                   # all three parts; about 5-10 min on 2 CPU cores
+    python bench_serve.py                   # every part; about 10-20 min on 2 CPU cores
+    python bench_serve.py --parts=transformers --threads=1   # on a busy machine: one thread each
     python bench_serve.py --parts=dsa --contexts=16384,65536,131072
     python bench_serve.py --device=cuda     # on a GPU (the DSA part then runs the Triton kernels)
 
@@ -37,8 +51,9 @@ import time
 
 import torch
 
-import model as glm
 import engine
+import model as glm
+import weights
 from bench_train import describe_machine
 from train import pick_device, sync
 from data import DataLoader
@@ -122,20 +137,56 @@ def bench_mtp(m, tok, prompts, n_new, drafts, dev):
         f"plain decoding, batch 1: {len(prompts)} x {n_new} tokens in {t_plain:.2f}s "
         f"({len(prompts) * n_new / t_plain:.1f} tok/s)"
     )
+    c_step, c_mtp, c_verify = step_costs(m, tok, prompts[0], max(drafts), dev)
+    print(
+        f"step costs at batch 1: a decode step {c_step * 1e3:.1f} ms, one MTP block forward (a full MoE "
+        f"layer + lm_head) {c_mtp * 1e3:.1f} ms = {c_mtp / c_step:.2f} step, a verify forward over "
+        f"{max(drafts) + 1} tokens {c_verify * 1e3:.1f} ms"
+    )
     rows = []
     for n in drafts:
         rs, t = run(n)
         steps = sum(len(r.accepted) for r in rs)
         # tokens per verify forward (capped by max_tokens at the end)
         accept = sum(sum(r.accepted) for r in rs) / steps
+        # draft i is accepted when a step appends more than i tokens (the bonus or correction is the last)
+        per_draft = [sum(a > i for r in rs for a in r.accepted) / steps for i in range(1, n + 1)]
         same = sum(r.out == p.out for r, p in zip(rs, plain))
+        # a speculative step: n MTP forwards (n - 1 drafts + the catch-up) and one verify forward
+        even = (c_verify + n * c_mtp) / c_step
+        glm5 = accept / (1 + n / 78)  # GLM-5: the MTP block is 1 of 78 layers; verify ~ one decode step
         rows.append((n, accept, t_plain / t, same))
         print(
-            f"MTP {n} draft(s): accept length {accept:.2f}, {t:.2f}s, speedup {t_plain / t:.2f}x; "
-            f"{same}/{len(rs)} outputs identical to plain greedy",
+            f"MTP {n} draft(s): accept length {accept:.2f} (each draft accepted: "
+            f"{', '.join(f'{p:.0%}' for p in per_draft)}), {t:.2f}s, speedup {t_plain / t:.2f}x; break-even "
+            f"accept length here {even:.2f} (forwards only); at GLM-5's size this accept length projects "
+            f"to {glm5:.2f}x; {same}/{len(rs)} outputs identical to plain greedy",
             flush=True,
         )
     return rows
+
+
+def step_costs(m, tok, prompt, n, dev, reps=5):
+    """Median seconds, batch 1, of a decode step, one MTP block forward and a verify forward over n + 1
+    tokens, each through the engine's own paged forward (the cost model behind the break-even length)."""
+    eng = engine.Engine(m, tok, num_pages=64, page_size=16, max_batch=1, spec_tokens=n, prefix_cache=False)
+    r = eng.submit(prompt, engine.SamplingParams(max_tokens=n + 8, temperature=0, ignore_eos=True))
+    eng.step()  # prefilled, one token decoded
+    base = [len(r.tokens) - 1]
+    one = torch.tensor([[r.tokens[-1]]], device=dev)
+    more = torch.tensor([[r.tokens[-1]] * (n + 1)], device=dev)
+    h = torch.zeros(1, 1, m.config.hidden_size, device=dev, dtype=next(m.parameters()).dtype)
+
+    def med(fn):
+        with torch.no_grad():
+            fn()
+            return statistics.median(timed(fn, dev)[1] for _ in range(reps))
+
+    step = med(lambda: eng.logits(eng.forward(one, base, [r])[:, -1]))
+    mtp = med(lambda: eng.mtp(h, one, base, [r]))
+    verify = med(lambda: eng.logits(eng.forward(more, base, [r])))
+    eng.finish(r, "abort")
+    return step, mtp, verify
 
 
 def bench_dsa(contexts, reps, dev, dtype):
@@ -157,15 +208,31 @@ def bench_dsa(contexts, reps, dev, dtype):
     with torch.device(dev):
         m = glm.GLM5(cfg).to(dtype).eval()
     assert m.model.layers[0].self_attn.cfg is m.config  # dsa_mode is read from the shared config at each step
+    bw = copy_bandwidth(dev)
+    weight_bytes = sum(p.numel() * p.element_size() for n, p in m.named_parameters() if "embed" not in n)
+    C, R, Di, K = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.index_head_dim, cfg.index_topk
+    size = torch.finfo(dtype).bits // 8
+    print(
+        f"memory bandwidth (a 256 MiB copy): {bw / 1e9:.1f} GB/s; the layer's weights read per step "
+        f"{weight_bytes / 1e6:.0f} MB = {weight_bytes / bw * 1e3:.1f} ms, the floor under every row below"
+    )
     rows = []
     for S in contexts:
-        caches = {"KVCache": glm.KVCache(cfg, 1, S + 1, device=dev, dtype=dtype)}
-        paged = engine.PagedCache(cfg, -(-(S + 1) // 64), 64, dev, dtype)
-        paged.tables = torch.arange(paged.num_pages, device=dev)[None]
-        caches["PagedCache"] = paged
+        paged = {}
+        for in_place in (True, False):
+            paged[in_place] = engine.PagedCache(cfg, -(-(S + 1) // 64), 64, dev, dtype, in_place=in_place)
+            paged[in_place].point(torch.arange(paged[in_place].num_pages, device=dev)[None], S + 1)
+        caches = {
+            "KVCache": glm.KVCache(cfg, 1, S + 1, device=dev, dtype=dtype),
+            "PagedCache": paged[True],
+            "paged, gathered": paged[False],  # the reference path: every row's history copied out per step
+        }
+        # the least a step must read beyond the weights: DSA the index keys and the K selected latents,
+        # dense every latent
+        need = {"sparse": S * Di * size + K * (C + R) * size, "dense": S * (C + R) * size}
         for name, cache in caches.items():
             g = torch.Generator(device=dev).manual_seed(S)
-            kv = cache.kv.view(1, -1, cache.kv.shape[-1])  # both caches as one row of tokens
+            kv = cache.kv.view(1, -1, cache.kv.shape[-1])  # every cache as one row of tokens
             ik = cache.index_k.view(1, -1, cache.index_k.shape[-1])
             kv[:, :S] = torch.randn(1, S, kv.shape[-1], generator=g, device=dev, dtype=dtype)
             ik[:, :S] = torch.randn(1, S, ik.shape[-1], generator=g, device=dev, dtype=dtype)
@@ -178,10 +245,14 @@ def bench_dsa(contexts, reps, dev, dtype):
                     t[mode] = statistics.median(
                         timed(lambda: m(ids, cache=cache, start_pos=S), dev)[1] for _ in range(reps)
                     )
-            rows.append((S, name, t["sparse"], t["dense"]))
+            bound = {k: (weight_bytes + v) / bw for k, v in need.items()}
+            rows.append((S, name, t["sparse"], t["dense"], bound["sparse"]))
+            ms = {k: v * 1e3 for k, v in t.items()}
             print(
-                f"{S:>7} tokens, {name:<10}: DSA {t['sparse'] * 1e3:8.1f} ms, "
-                f"dense {t['dense'] * 1e3:8.1f} ms, "
+                f"{S:>7} tokens, {name:<15}: DSA {ms['sparse']:7.1f} ms (reads >= "
+                f"{need['sparse'] / 1e6:5.1f} MB + weights: bound {bound['sparse'] * 1e3:5.1f} ms, "
+                f"{t['sparse'] / bound['sparse']:.2f}x it), dense {ms['dense']:7.1f} ms (>= "
+                f"{need['dense'] / 1e6:5.1f} MB + weights, {t['dense'] / bound['dense']:.2f}x its bound); "
                 f"dense / DSA = {t['dense'] / t['sparse']:.2f}x",
                 flush=True,
             )
@@ -190,12 +261,170 @@ def bench_dsa(contexts, reps, dev, dtype):
     return rows
 
 
+def copy_bandwidth(dev):
+    """Bytes per second of one large copy (read + write), the best of 3: the memory bound's speed."""
+    x = torch.ones(64 * 2**20, device=dev)  # 256 MiB of fp32
+    y = torch.empty_like(x)
+    y.copy_(x)
+    best = min(timed(lambda: y.copy_(x), dev)[1] for _ in range(3))
+    return 2 * x.numel() * x.element_size() / best
+
+
+# -----------------------------------------------------------------------------
+# Part 0: the engine against transformers' GlmMoeDsaForCausalLM.generate on the same weights
+
+
+def to_transformers(m):
+    """Our GLM5 -> transformers' GlmMoeDsaForCausalLM holding the same weights, or None (with the reason
+    printed) when transformers or its GLM-5 model is absent. Our names are the released ones
+    (weights.py); transformers stacks each layer's experts into gate_up_proj (E, 2I, D) and down_proj
+    (E, D, I), and has no MTP block (the released checkpoint's layer L, which it ignores on load)."""
+    try:
+        from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
+    except ImportError as e:
+        print(f"skipped: transformers with GlmMoeDsaForCausalLM is not installed ({e}); pip install it")
+        return None
+    c = m.config
+    ours_only = ("num_mtp_steps", "dsa_mode", "architectures", "model_type")
+    d = {k: v for k, v in weights.config_to_json(c).items() if k not in ours_only}
+    hf = GlmMoeDsaForCausalLM(GlmMoeDsaConfig(**d))
+    sd = {n: t for n, t in m.state_dict().items() if not n.startswith("mtp_layers.")}
+    for i in range(c.first_k_dense_replace, c.num_hidden_layers):
+        p = f"model.layers.{i}.mlp.experts."
+        E = range(c.n_routed_experts)
+        sd[p + "gate_up_proj"] = torch.stack(
+            [torch.cat([sd.pop(f"{p}{e}.gate_proj.weight"), sd.pop(f"{p}{e}.up_proj.weight")]) for e in E]
+        )  # (E, 2I, D): gate rows first, as transformers' chunk(2) reads them
+        sd[p + "down_proj"] = torch.stack([sd.pop(f"{p}{e}.down_proj.weight") for e in E])  # (E, D, I)
+    hf.load_state_dict(sd, strict=True)
+    p = next(m.parameters())
+    hf = hf.to(device=p.device, dtype=p.dtype).eval()
+    hf.generation_config.eos_token_id = None  # every request runs to its max_tokens, as ignore_eos does
+    hf.generation_config.pad_token_id = 0
+    return hf
+
+
+def hf_generate(hf, prompts, n_new):
+    """Greedy generate over one left-padded batch -> each row's n_new new token ids."""
+    T = max(len(p) for p in prompts)
+    dev = hf.device
+    ids = torch.tensor([[0] * (T - len(p)) + p for p in prompts], device=dev)
+    mask = torch.tensor([[0] * (T - len(p)) + [1] * len(p) for p in prompts], device=dev)
+    with torch.no_grad():
+        out = hf.generate(ids, attention_mask=mask, max_new_tokens=n_new, do_sample=False)
+    return out[:, T:].tolist()
+
+
+def bench_vs_transformers(m, tok, prompts, n_new, batches, dev):
+    """Same prompts, greedy, whole batches: the engine (one request per row, continuous batching) against
+    transformers' generate (the batch at once). Outputs are compared token for token."""
+    hf = to_transformers(m)
+    if hf is None:
+        return []
+    greedy = engine.SamplingParams(max_tokens=n_new, temperature=0, ignore_eos=True)
+    pages = -(-(len(prompts[0]) + n_new) // 16) * max(batches) + 8
+    hf_generate(hf, prompts[:1], 4)  # warm-up, both
+    engine.Engine(m, tok, num_pages=pages, max_batch=1, prefix_cache=False).generate(prompts[:1], greedy)
+    rows = []
+    for b in batches:
+        eng = engine.Engine(m, tok, num_pages=pages, page_size=16, max_batch=b, prefix_cache=False)
+        ref, t_hf = timed(lambda: hf_generate(hf, prompts[:b], n_new), dev)
+        rs, t = timed(lambda: eng.generate(prompts[:b], greedy), dev)
+        same = sum(r.out == o for r, o in zip(rs, ref))
+        rows.append((b, t_hf / t, same))
+        print(
+            f"batch {b:>2}: engine {b * n_new / t:7.1f} tok/s, transformers generate {b * n_new / t_hf:7.1f} "
+            f"tok/s: {t_hf / t:.2f}x; {same}/{b} outputs identical",
+            flush=True,
+        )
+    return rows
+
+
+def mixed_workload(n, vocab_size, loader, seed):
+    """n requests with prompt lengths 16..128 and output lengths 8..96, arriving as a Poisson process:
+    -> [(arrival offset in s, prompt, max_tokens)] in arrival order. The mean gap is set by the caller."""
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(16, 129, (n,), generator=g).tolist()
+    outs = torch.randint(8, 97, (n,), generator=g).tolist()
+    gaps = torch.empty(n).exponential_(generator=g).tolist()
+    reqs = []
+    t = 0.0
+    for L, k, gap in zip(lens, outs, gaps):
+        reqs.append((t, prompts_from(loader, 1, L, vocab_size, seed=seed + len(reqs))[0], k))
+        t += gap
+    return reqs
+
+
+def bench_mixed(m, tok, n, mean_gap, max_batch, dev, loader):
+    """Requests arriving over time. The engine admits each one at the first step after it arrives and
+    finishes each at its own length (continuous batching); transformers' generate serves what has arrived
+    as one left-padded batch, up to max_batch, and the next batch waits for it (static batching, the way
+    generate is used behind a queue), each batch running to its longest request. Throughput counts only
+    the tokens requested; latency is arrival to last token."""
+    hf = to_transformers(m)
+    if hf is None:
+        return None
+    reqs = [(t * mean_gap, p, k) for t, p, k in mixed_workload(n, m.config.vocab_size, loader, seed=7)]
+    useful = sum(k for _, _, k in reqs)
+    eng = engine.Engine(m, tok, num_pages=n * 16, page_size=16, max_batch=max_batch, prefix_cache=True)
+
+    def run_engine():
+        done = {}
+        pending = [(t, i, p, k) for i, (t, p, k) in enumerate(reqs)]  # (arrival, index, prompt, max_tokens)
+        live = []
+        t0 = time.perf_counter()
+        while pending or live:
+            now = time.perf_counter() - t0
+            while pending and pending[0][0] <= now:
+                t, i, p, k = pending.pop(0)
+                sp = engine.SamplingParams(max_tokens=k, temperature=0, ignore_eos=True)
+                live.append((i, t, eng.submit(p, sp)))
+            if not live:  # idle until the next arrival
+                time.sleep(max(0.0, pending[0][0] - now))
+                continue
+            eng.step()
+            now = time.perf_counter() - t0
+            for i, t, r in [x for x in live if x[2].finish is not None]:
+                done[i] = (r.out, now - t)
+            live = [x for x in live if x[2].finish is None]
+        return [done[i] for i in range(len(reqs))], time.perf_counter() - t0
+
+    def run_hf():
+        outs = []
+        pending = list(reqs)
+        t0 = time.perf_counter()
+        while pending:
+            now = time.perf_counter() - t0
+            if pending[0][0] > now:  # idle until the next arrival
+                time.sleep(pending[0][0] - now)
+                now = pending[0][0]
+            batch = [x for x in pending if x[0] <= now][:max_batch]
+            pending = pending[len(batch) :]
+            got = hf_generate(hf, [p for _, p, _ in batch], max(k for _, _, k in batch))
+            end = time.perf_counter() - t0
+            outs += [(o[:k], end - t) for (t, _, k), o in zip(batch, got)]
+        return outs, time.perf_counter() - t0
+
+    hf_out, t_hf = run_hf()
+    eng_out, t_eng = run_engine()
+    same = sum(a[0] == b[0] for a, b in zip(eng_out, hf_out))
+    lat_e = statistics.mean(x[1] for x in eng_out)
+    lat_h = statistics.mean(x[1] for x in hf_out)
+    print(
+        f"mixed workload, {n} requests (prompts 16-128, outputs 8-96 tokens, mean gap "
+        f"{mean_gap * 1e3:.0f} ms): engine {useful / t_eng:.1f} tok/s, mean latency {lat_e:.2f}s; "
+        f"transformers {useful / t_hf:.1f} tok/s, mean latency {lat_h:.2f}s: {t_hf / t_eng:.2f}x "
+        f"throughput; {same}/{n} outputs identical"
+    )
+    return t_hf / t_eng
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
         "--ckpt", default=os.path.join(HERE, "out/ckpt.pt"), help="train.py checkpoint or save_pretrained dir"
     )
-    ap.add_argument("--parts", default="throughput,mtp,dsa")
+    ap.add_argument("--parts", default="transformers,throughput,mtp,dsa")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--prompt_len", type=int, default=64)
     ap.add_argument("--new_tokens", type=int, default=64)
@@ -206,19 +435,24 @@ def main():
     ap.add_argument("--mtp_prompts", type=int, default=8)
     ap.add_argument("--drafts", default="1,2,3,4")
     ap.add_argument("--contexts", default="16384,65536")
+    ap.add_argument("--mixed_requests", type=int, default=48, help="requests in the mixed-length workload")
+    ap.add_argument("--mixed_gap", type=float, default=0.05, help="mean gap between their arrivals, in s")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument(
+        "--threads", type=int, default=0, help="torch threads (0: torch's default); 1 on a busy machine"
+    )
     a = ap.parse_args()
     parts = set(a.parts.split(","))
-    if parts - {"throughput", "mtp", "dsa"}:
-        raise SystemExit(
-            f"unknown part(s) {sorted(parts - {'throughput', 'mtp', 'dsa'})}; "
-            "choose from throughput, mtp, dsa"
-        )
+    known = {"transformers", "throughput", "mtp", "dsa"}
+    if parts - known:
+        raise SystemExit(f"unknown part(s) {sorted(parts - known)}; choose from {', '.join(sorted(known))}")
     dev = pick_device(a.device)
+    if a.threads:
+        torch.set_num_threads(a.threads)
     print(describe_machine(dev), flush=True)
 
     trained = os.path.exists(a.ckpt)
-    if parts & {"throughput", "mtp"}:
+    if parts & {"transformers", "throughput", "mtp"}:
         if trained:
             m = engine.load_model(a.ckpt, device=dev)
             print(f"model: {a.ckpt}")
@@ -235,6 +469,17 @@ def main():
         prompts = prompts_from(
             loader, max(batches + [a.mtp_prompts]), a.prompt_len, m.config.vocab_size, seed=1
         )
+    if "transformers" in parts:
+        print(
+            f"\n== 0. against transformers' GlmMoeDsaForCausalLM.generate, same weights, sparse attention "
+            f"(DSA top-{m.config.index_topk}): prompts of {a.prompt_len} tokens, {a.new_tokens} new tokens "
+            "each, greedy =="
+        )
+        mode = m.config.dsa_mode
+        m.config.dsa_mode = "sparse"  # transformers' model always selects; the toy pretrains dense
+        bench_vs_transformers(m, tok, prompts, a.new_tokens, batches, dev)
+        bench_mixed(m, tok, a.mixed_requests, a.mixed_gap, max(batches), dev, loader)
+        m.config.dsa_mode = mode
     if "throughput" in parts:
         print(
             f"\n== 1. throughput: prompts of {a.prompt_len} tokens, {a.new_tokens} new tokens each, greedy =="

@@ -87,9 +87,11 @@ class Indexer(nn.Module):
 
 def index_scores(q, w, k_all, softmax_scale):
     """The lightning indexer: I[t, s] = sum_j w[t, j] ReLU(q[t, j] . k[s] * scale) -> (B, T, S) fp32,
-    no mask (causal_index_scores adds the causal one)."""
+    no mask (causal_index_scores adds the causal one). k_all (B, S, Di), or (S, Di) keys shared by every
+    row (a page pool, read in place: one matmul, no per-row copy)."""
+    pattern = "bthd,bsd->bths" if k_all.dim() == 3 else "bthd,sd->bths"
     with torch.autocast(q.device.type, enabled=False):  # fp32 scores, also under autocast
-        dots = torch.einsum("bthd,bsd->bths", q, upcast(k_all).to(q.dtype)) * softmax_scale  # (B, T, Hi, S)
+        dots = torch.einsum(pattern, q, upcast(k_all).to(q.dtype)) * softmax_scale  # (B, T, Hi, S)
         return torch.einsum("bths,bth->bts", F.relu(dots), w)
 
 
@@ -106,19 +108,35 @@ def selected_index_scores(q, w, k_all, idx, softmax_scale):
 # Selection
 
 
-def topk_select(index_scores, visible, k):
+def topk_select(index_scores, visible, k, exact_sort=False):
     """Deterministic top-k of I[t, :] over visible keys only (the causal/padding mask is applied first).
 
     index_scores (B, T, S) fp32, visible (B, T, S) or broadcastable bool, k = min(index_topk, S).
     Returns idx (B, T, k) long and valid (B, T, k) bool; rows with fewer than k visible keys get
     invalid tail entries, so the effective k is min(index_topk, visible tokens) per row.
-    Ties break toward the lower index (stable sort), so the same scores always give the same set:
-    the report found non-deterministic top-k collapsed RL.
-    """
+    Ties break toward the lower index, so the same scores always give the same set: the report found
+    non-deterministic top-k collapsed RL. The reference is a stable sort of all S scores (exact_sort, and
+    fp64); the fast path runs torch.topk, whose order among equal values is unspecified, over keys made
+    distinct: the score's bits and the position packed into one int64 (tie_broken_keys). Both give the
+    same idx, in the same order (tests/test_dsa.py)."""
     visible = visible.expand_as(index_scores)
     masked = index_scores.masked_fill(~visible, float("-inf"))
-    idx = torch.sort(masked, dim=-1, descending=True, stable=True).indices[..., :k]  # (B, T, k)
+    if exact_sort or masked.dtype == torch.float64:
+        idx = torch.sort(masked, dim=-1, descending=True, stable=True).indices[..., :k]  # (B, T, k)
+    else:
+        idx = torch.topk(tie_broken_keys(masked), k, dim=-1).indices  # (B, T, k), sorted
     return idx, visible.gather(-1, idx)
+
+
+def tie_broken_keys(scores):
+    """fp32 (or narrower) scores (..., S) -> int64 keys, all distinct, ordered as (score descending, then
+    position ascending): the float's bits mapped to an int of the same order (flip the magnitude bits of
+    negatives), shifted up 32 bits, and 2^32 - 1 - position below. -0.0 counts as 0.0 (a ReLU score times a
+    negative head weight is -0.0, and the stable sort treats the two as one value)."""
+    bits = (scores.float() + 0.0).view(torch.int32)  # + 0.0 turns -0.0 into 0.0
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # monotone in the float: a < b <=> ordered(a) < ordered(b)
+    pos = torch.arange(scores.shape[-1], device=scores.device)
+    return ordered.long() * 2**32 + (2**32 - 1 - pos)
 
 
 def causal_index_scores(q, w, k_all, last, softmax_scale):
@@ -129,23 +147,35 @@ def causal_index_scores(q, w, k_all, last, softmax_scale):
     return I.masked_fill(~visible, float("-inf"))
 
 
-def index_topk(q, w, k_all, last, topk, softmax_scale):
+def index_topk(q, w, k_all, last, topk, softmax_scale, rows=None):
     """The DSA selection: each query's min(topk, S) best keys among positions 0..last.
 
     q (B, T, Hi, Di), w (B, T, Hi), k_all (B, S, Di) the (cached) index keys, last (B, T) or (1, T): the
     last key position each query may see. Returns idx, valid (B, T, min(topk, S)), as topk_select.
+    rows (B, S): the keys live in a page pool, k_all (N, Di), and position s of row b is pool row
+    rows[b, s]; the scores are taken over the pool in place (no copy of any row's keys), put back in
+    position order (S floats per query, for the tie-breaking) and idx is returned as pool rows.
     The scores run as a Triton kernel where kernels.use_triton says so, else in torch; the selection is
     discrete, so no gradient flows through it (the KL trains the indexer, from selected_index_scores)."""
     B, T = q.shape[:2]
-    S = k_all.shape[1]
     last = last.expand(B, T)
+    S = k_all.shape[1] if rows is None else rows.shape[1]
+    in_pool = rows is not None and not kernels.use_triton(q)
+    if rows is not None and not in_pool:  # the kernel takes one key row per position: gather them
+        k_all = k_all[rows]  # (B, S, Di)
     with torch.no_grad():
-        if kernels.use_triton(q):
+        if in_pool:
+            I = index_scores(q, w, k_all, softmax_scale)  # (B, T, N) over the whole pool
+            I = I.gather(-1, rows[:, None, :].expand(B, T, S))  # (B, T, S) in position order
+        elif kernels.use_triton(q):
             I = kernels.index_scores(q, w, k_all, last, softmax_scale)  # (B, T, S), fused causal mask
         else:
             I = causal_index_scores(q, w, k_all, last, softmax_scale)
-    visible = torch.arange(S, device=k_all.device) <= last[..., None]  # (B, T, S)
-    return topk_select(I, visible, min(topk, S))
+    visible = torch.arange(S, device=q.device) <= last[..., None]  # (B, T, S)
+    idx, valid = topk_select(I, visible, min(topk, S))
+    if rows is not None:
+        idx = rows.gather(1, idx.flatten(1)).view_as(idx)  # positions -> pool rows
+    return idx, valid
 
 
 def selection_mask(idx, valid, S):

@@ -44,11 +44,24 @@ Run it through serve.py, or drive it directly (as the tests and bench_serve.py d
     >>> eng.generate([[1, 2, 3]], engine.SamplingParams(max_tokens=8, temperature=0))[0].out
 Tests: python -m pytest -q tests/test_engine.py
 
-Honest limits: prefill runs one request at a time (no chunked or batched prefill); pages for prompt +
-max_tokens are reserved at admission (no preemption); each step gathers every row's pages into a
-contiguous (B, S, 576) tensor per layer (a real engine reads the pages inside the attention kernel); one
-process, one device. The MTP block's drafts 2..N reuse its cache slots at the next positions, an
-approximation that lowers the accept rate but never changes the output. Penalties count a row's tokens
+Prefill is batched: every request admitted in a step is prefilled in that step, rows of similar length
+right-padded into one forward (the padding writes to a scratch page), prompts longer than prefill_chunk in
+chunks; then the step decodes every running row, the new ones included. Sampling is batched over the rows:
+one argmax for the greedy rows, one log_softmax for the logprobs, one host sync per step; the model's
+forward itself never reads a value back (the cache's length is set on the host).
+Attention reads the page pool in place when the pool is at most twice the longest history (one long
+request, a full server): DSA scores the index keys in the pool and reads only the selected latent rows,
+dense attention scores every pool row under a mask; no history is copied. Otherwise (a large pool, short
+rows) each row's history is gathered into a (B, S, 576) tensor per layer, which is also the reference
+path (PagedCache(in_place=False)) the tests hold the in-place one to.
+
+Honest limits: a long prompt's chunks all run in the step that admits it (vLLM interleaves them with
+other rows' decode steps, which keeps decode latency flat); rows of very different lengths prefill in
+separate forwards. Pages for prompt + max_tokens are reserved at admission (no preemption). In place,
+the pool's scores cost up to twice the rows' own (a paged attention kernel reads each row's pages only;
+on a GPU the Triton index kernel still gets gathered keys); one process, one device. The MTP block's
+drafts 2..N reuse its cache slots at the next positions, an approximation that lowers the accept rate
+but never changes the output. Penalties count a row's tokens
 from its Python list at every step (vLLM keeps the counts on the device). A weight update holds two
 copies of the weights while it loads, and recomputes each running request's cache with one prefill
 (AReaL's choice; SGLang can also keep the stale cache or abort); weights come from disk only (no
@@ -117,29 +130,55 @@ class PagedCache:
     stores each row's new tokens at their positions and returns each row's history gathered into
     (B, S, ...), the same API as model.KVCache.write."""
 
-    def __init__(self, cfg, num_pages, page_size, device, dtype):
+    def __init__(self, cfg, num_pages, page_size, device, dtype, in_place=True):
         L = cfg.num_hidden_layers + cfg.num_nextn_predict_layers
         self.page_size = page_size
         self.num_pages = num_pages
+        self.scratch = num_pages  # one extra page, never handed out: padded rows write their padding here
         latent = cfg.kv_lora_rank + cfg.qk_rope_head_dim
-        self.kv = torch.zeros(L, num_pages, page_size, latent, device=device, dtype=dtype)
-        self.index_k = torch.zeros(L, num_pages, page_size, cfg.index_head_dim, device=device, dtype=dtype)
+        self.kv = torch.zeros(L, num_pages + 1, page_size, latent, device=device, dtype=dtype)
+        self.index_k = torch.zeros(
+            L, num_pages + 1, page_size, cfg.index_head_dim, device=device, dtype=dtype
+        )
         self.free = list(range(num_pages - 1, -1, -1))  # a stack: pop() gives the lowest id first
         self.ref = [0] * num_pages  # how many requests use each page
         self.cached = collections.OrderedDict()  # prefix hash -> page id, least recently used first
         self.page_hash = [None] * num_pages
         self.tables = None
+        self.length = None  # the furthest position of this forward + 1, set on the host with `tables`
+        self.in_place = in_place  # False: always gather each row's history (the reference path)
+        self.rows = None
+
+    def point(self, tables, length):
+        """Before a forward: tables (B, n) page ids per row, length = the furthest position + 1 (a host
+        int, so no layer reads positions back from the device). When the pool is at most twice the
+        longest history (one long request; a full server), attention reads the pool in place through
+        `rows` (B, S), each position's pool row: the pool's scores cost at most twice the rows' own, and
+        nothing is copied. Otherwise (a large pool, short rows) write() gathers each row's history."""
+        self.tables = tables
+        self.length = length
+        P = self.page_size
+        self.rows = None
+        if self.in_place and self.kv.shape[1] * P <= 2 * length:
+            s = torch.arange(length, device=tables.device)
+            self.rows = tables[:, s // P] * P + s % P  # (B, S)
 
     def write(self, layer_id, positions, latent, index_k):
         """positions (B, T); latent (B, T, C + R); index_k (B, T, index_head_dim) -> every row's
-        history (B, S, C + R) and (B, S, index_head_dim), S = the furthest position + 1."""
+        history (B, S, C + R) and (B, S, index_head_dim) (the model.KVCache.write API), or with
+        self.rows set the layer's pools (N, C + R) and (N, index_head_dim), N = pages x page_size, read
+        in place (model.MLA.forward)."""
         P = self.page_size
         rows = torch.arange(positions.shape[0], device=positions.device)[:, None]
         pages = self.tables[rows, positions // P]  # (B, T)
         slots = positions % P  # (B, T)
         self.kv[layer_id][pages, slots] = latent.to(self.kv.dtype)
         self.index_k[layer_id][pages, slots] = index_k.to(self.index_k.dtype)
-        S = int(positions.max()) + 1
+        if self.rows is not None:
+            return self.kv[layer_id].view(-1, self.kv.shape[-1]), self.index_k[layer_id].view(
+                -1, self.index_k.shape[-1]
+            )
+        S = self.length
         t = self.tables[:, : (S + P - 1) // P]  # (B, n pages)
         B = t.shape[0]
         kv = self.kv[layer_id][t].view(B, -1, self.kv.shape[-1])[:, :S]
@@ -256,6 +295,10 @@ def sampling_probs(logits, sp):
     return logits.softmax(-1)
 
 
+def penalized(sp):
+    return bool(sp.presence_penalty or sp.frequency_penalty)
+
+
 def draw(probs, gen):
     """One token from probs (V,) with the request's own generator (reproducible per seed)."""
     return int(torch.multinomial(probs.cpu(), 1, generator=gen))
@@ -278,6 +321,23 @@ def accept_drafts(p, q, drafts, gen, greedy):
     if greedy:
         return out + [int(p[-1].argmax())]
     return out + [draw(p[-1], gen)]
+
+
+def similar_lengths(rows, lengths, chunk, waste=0.25):
+    """Split rows into groups to prefill together, longest first: a row joins the current group while
+    the group's right padding stays within `waste` of its real tokens (lengths capped at `chunk`, the
+    most one forward takes per row). Equal lengths make one group; 16 and 128 tokens do not."""
+    order = sorted(range(len(rows)), key=lambda i: -min(lengths[i], chunk))
+    groups = []
+    for i in order:
+        n = min(lengths[i], chunk)
+        if groups:
+            g, longest, real = groups[-1]
+            if (len(g) + 1) * longest <= (1 + waste) * (real + n):
+                groups[-1] = (g + [rows[i]], longest, real + n)
+                continue
+        groups.append(([rows[i]], n, n))
+    return [g for g, _, _ in groups]
 
 
 # -----------------------------------------------------------------------------
@@ -344,13 +404,15 @@ class Engine:
         max_waiting=256,
         default_max_tokens=1024,
         version=0,
+        prefill_chunk=512,
+        in_place=True,
     ):
         self.model = model
         self.tok = tok
         self.cfg = model.config
         p = next(model.parameters())
         self.device = p.device
-        self.cache = PagedCache(self.cfg, num_pages, page_size, p.device, p.dtype)
+        self.cache = PagedCache(self.cfg, num_pages, page_size, p.device, p.dtype, in_place)
         self.max_batch = max_batch
         self.max_waiting = max_waiting
         self.default_max_tokens = default_max_tokens  # chat without max_tokens (pages are reserved up front)
@@ -360,6 +422,7 @@ class Engine:
             raise ValueError("--spec needs a checkpoint with an MTP block (num_nextn_predict_layers >= 1)")
         self.spec = spec_tokens
         self.prefix_cache = prefix_cache
+        self.prefill_chunk = prefill_chunk  # prompt tokens per row per prefill forward (longer: chunks)
         eos = [i for i in self.cfg.eos_token_id if i < self.cfg.vocab_size]
         eos += [tok.special_tokens[s] for s in chat.STOP_TOKENS if s in tok.special_tokens]
         self.stop_ids = set(eos)
@@ -433,23 +496,22 @@ class Engine:
             self.finish(r, "abort")
 
     def admit_waiting(self):
-        """Prefill waiting requests in order; stop at the first one the free pages cannot hold yet."""
+        """Reserve pages for waiting requests in order, stopping at the first one the free pages cannot
+        hold yet, then prefill every admitted prompt together (prefill())."""
+        admitted = []
         while self.waiting and len(self.running) < self.max_batch:
             with self.cond:
                 r = self.waiting.popleft()
-            try:
-                admitted = self.admit(r)
-            except Exception as e:  # a prompt that cannot be prefilled fails alone; the batch goes on
-                self.fail(r, e)
-                continue
-            if not admitted:  # it waits, first in line, for running requests to finish
+            if not self.reserve(r):  # it waits, first in line, for running requests to finish
                 with self.cond:
                     self.waiting.appendleft(r)
-                return
+                break
+            admitted.append(r)
+        if admitted:
+            self.prefill(admitted)
 
-    def admit(self, r):
-        """Reserve r's pages (reusing cached prefix pages), prefill the rest of its prompt and sample its
-        first token. -> False, holding nothing, if the free pages are too few."""
+    def reserve(self, r):
+        """Reserve r's pages, reusing cached prefix pages. -> False, holding nothing, if too few are free."""
         cache = self.cache
         P = cache.page_size
         need = self.pages_needed(len(r.prompt), r.sp)
@@ -464,47 +526,112 @@ class Engine:
         self.running.append(r)
         self.stats["cached_tokens"] += r.n_cached
         self.stats["prefill_tokens"] += len(r.prompt) - r.n_cached
-        ids = torch.tensor([r.prompt[r.n_cached :]], device=self.device)  # (1, T)
-        start = torch.tensor([r.n_cached], device=self.device)
-        logits, h = self.forward(ids, start, [r])
-        if self.prefix_cache:
-            cache.register(r.prompt, r.pages)
-        self.append(r, logits[0, -1])
-        if self.spec and r.finish is None:  # the prompt through the MTP block: its cache and first draft
-            nxt = torch.tensor([r.tokens[r.n_cached + 1 :]], device=self.device)
-            logits, h2 = self.mtp(h, nxt, start, [r])
-            r.draft_logits = logits[0, -1]
-            r.h_mtp = h2[0, -1]
         return True
+
+    def prefill(self, rows):
+        """Prefill these requests' prompts (past their cached prefix) and sample each one's first token.
+        Batched: rows of similar length share a right-padded forward; a prompt longer than prefill_chunk
+        goes in chunks, one forward per chunk. If a batched forward fails, each of its rows is retried
+        alone, so a prompt that cannot be prefilled fails alone and the others go on."""
+        done = set()
+        try:
+            self.prefill_rows(rows, done)
+        except Exception as e:
+            if len(rows) == 1:
+                return self.fail(rows[0], e)
+            for r in rows:
+                if r.finish is None and id(r) not in done and r.out:  # it failed past its first token
+                    self.fail(r, e)
+                elif r.finish is None and id(r) not in done:
+                    try:
+                        self.prefill_rows([r], done)
+                    except Exception as e1:
+                        self.fail(r, e1)
+
+    def prefill_rows(self, rows, done):
+        """The batched prefill, reference-equal to prefilling each row alone (tests/test_engine.py)."""
+        todo = {id(r): r.n_cached for r in rows}  # each row's next prompt position to prefill
+        while todo:
+            live = [r for r in rows if id(r) in todo]
+            for group in similar_lengths(
+                live, [len(r.prompt) - todo[id(r)] for r in live], self.prefill_chunk
+            ):
+                starts = [todo[id(r)] for r in group]
+                n = [min(len(r.prompt) - s, self.prefill_chunk) for r, s in zip(group, starts)]
+                T = max(n)
+                ids = [r.prompt[s : s + k] + [0] * (T - k) for r, s, k in zip(group, starts, n)]
+                ids = torch.tensor(ids, device=self.device)  # (B, T), right-padded
+                last = [k - 1 for k in n]
+                final = [s + k == len(r.prompt) for r, s, k in zip(group, starts, n)]
+                h = self.forward(ids, starts, group)  # (B, T, D)
+                logits = self.logits(h, last)  # (B, V): each row's last real position only
+                ended = [r for r, f in zip(group, final) if f]
+                if ended:
+                    keep = [i for i, f in enumerate(final) if f]
+                    if self.prefix_cache:
+                        for r in ended:
+                            self.cache.register(r.prompt, r.pages)
+                    self.sample_append(ended, logits[keep])
+                if self.spec:  # the chunk through the MTP block: its cache and, at the end, the first draft
+                    mtp_rows = [i for i, r in enumerate(group) if r.finish is None]
+                    if mtp_rows:
+                        nxt = [
+                            (group[i].tokens[starts[i] + 1 : starts[i] + n[i] + 1] + [0] * T)[:T]
+                            for i in mtp_rows
+                        ]
+                        nxt = torch.tensor(nxt, device=self.device)
+                        lg, h2 = self.mtp(
+                            h[mtp_rows], nxt, [starts[i] for i in mtp_rows], [group[i] for i in mtp_rows]
+                        )
+                        for j, i in enumerate(mtp_rows):
+                            group[i].draft_logits = lg[j, n[i] - 1]
+                            group[i].h_mtp = h2[j, n[i] - 1]
+                for r, s, k, f in zip(group, starts, n, final):
+                    if f:
+                        del todo[id(r)]
+                        done.add(id(r))
+                    else:
+                        todo[id(r)] = s + k
 
     # --- the model, run over pages ------------------------------------------------------
 
-    def place(self, rows, start, T):
-        """Point the cache at these rows' pages. start (B,) -> positions (B, T) and their RoPE cos, sin."""
-        n = max(len(r.pages) for r in rows)
-        tables = [r.pages + [0] * (n - len(r.pages)) for r in rows]
-        self.cache.tables = torch.tensor(tables, device=self.device)  # (B, n)
+    def place(self, rows, starts, T):
+        """Point the cache at these rows' pages. starts: each row's first position (host ints) ->
+        positions (B, T) and their RoPE cos, sin. A row's positions past its own pages (right padding)
+        land on the scratch page."""
+        P = self.cache.page_size
+        n = max(max(len(r.pages) for r in rows), -(-(max(starts) + T) // P))
+        tables = [r.pages + [self.cache.scratch] * (n - len(r.pages)) for r in rows]
+        self.cache.point(torch.tensor(tables, device=self.device), max(starts) + T)  # tables (B, n)
+        start = torch.tensor(starts, device=self.device)
         positions = start.view(-1, 1) + torch.arange(T, device=self.device)  # (B, T)
         c = self.cfg
         dtype = upcast(self.model.lm_head.weight).dtype
         cos, sin = glm.rope_cos_sin(positions, c.qk_rope_head_dim, c.rope_theta, dtype)
         return positions, cos, sin
 
-    def forward(self, ids, start, rows):
-        """ids (B, T), start (B,) first position per row -> (logits (B, T, V), h (B, T, D)): GLM5.forward's
-        main stack, also returning the last hidden state (the MTP block's input)."""
+    def forward(self, ids, starts, rows):
+        """ids (B, T), starts: each row's first position -> h (B, T, D), the main stack's last hidden
+        state (GLM5.forward's, over the pages); logits() puts the head on the positions wanted."""
         m = self.model
-        positions, cos, sin = self.place(rows, start, ids.shape[1])
+        positions, cos, sin = self.place(rows, starts, ids.shape[1])
         h = m.model.embed_tokens(ids)
         for layer in m.model.layers:
             h, _, _ = layer(h, cos, sin, positions, self.cache)
-        return m.lm_head(m.model.norm(h)), h
+        return h
 
-    def mtp(self, h, next_ids, start, rows):
-        """The MTP block at positions start.. with inputs (h_i, embed(t_{i+1})) -> (logits, h'): its
+    def logits(self, h, last=None):
+        """h (B, T, D) -> logits (B, T, V), or (B, V) at one position per row: last[i] for row i."""
+        m = self.model
+        if last is not None:
+            h = h[torch.arange(h.shape[0], device=h.device), torch.tensor(last, device=h.device)]
+        return m.lm_head(m.model.norm(h))
+
+    def mtp(self, h, next_ids, starts, rows):
+        """The MTP block at positions starts.. with inputs (h_i, embed(t_{i+1})) -> (logits, h'): its
         logits and its output hidden state, which the next MTP step takes as its h."""
         m = self.model
-        positions, cos, sin = self.place(rows, start, h.shape[1])
+        positions, cos, sin = self.place(rows, starts, h.shape[1])
         emb = m.model.embed_tokens(next_ids)
         h2, h_norm, _, _ = m.mtp_layers[0](h, emb, cos, sin, positions, self.cache)
         return m.lm_head(h_norm), h2
@@ -513,19 +640,18 @@ class Engine:
 
     def decode_step(self, rows):
         ids = torch.tensor([[r.tokens[-1]] for r in rows], device=self.device)  # (B, 1)
-        start = torch.tensor([len(r.tokens) - 1 for r in rows], device=self.device)
-        logits, _ = self.forward(ids, start, rows)
+        h = self.forward(ids, [len(r.tokens) - 1 for r in rows], rows)
         self.stats["decode_steps"] += 1
-        for i, r in enumerate(rows):
-            self.append(r, logits[i, -1])
+        self.sample_append(rows, self.logits(h[:, -1]))
 
     def spec_step(self, rows):
         """MTP drafts N tokens per row, one forward verifies [last token, drafts], the acceptance rule
         keeps a prefix of them, and the kept positions go through the MTP block for the next drafts."""
-        base = torch.tensor([len(r.tokens) - 1 for r in rows], device=self.device)  # each last token
+        base = [len(r.tokens) - 1 for r in rows]  # each row's last token
         drafts, qs = self.draft(rows, base)  # (B, N) ids, (B, N, V) the distributions they came from
         ids = torch.tensor([[r.tokens[-1]] + d for r, d in zip(rows, drafts)], device=self.device)
-        logits, h = self.forward(ids, base, rows)  # (B, N + 1, V), (B, N + 1, D)
+        h = self.forward(ids, base, rows)  # (B, N + 1, D)
+        logits = self.logits(h)  # (B, N + 1, V)
         self.stats["decode_steps"] += 1
         n_new = [self.verify(r, logits[i], qs[i], drafts[i]) for i, r in enumerate(rows)]
         self.catch_up_mtp(rows, h, n_new, base)
@@ -545,7 +671,7 @@ class Engine:
                 qs[i].append(q)
             if k + 1 < self.spec:
                 last = torch.tensor([d[-1] for d in drafts], device=self.device)[:, None]  # (B, 1)
-                logits, h = self.mtp(h, last, base + k, rows)
+                logits, h = self.mtp(h, last, [b + k for b in base], rows)
                 logits = logits[:, -1]
         return drafts, [torch.stack(q) for q in qs]
 
@@ -558,7 +684,7 @@ class Engine:
         r.accepted.append(len(new))
         before = len(r.out)
         for j, t in enumerate(new):
-            self.append(r, logits[j], token=t)
+            self.sample_append([r], logits[j][None], [t])
             if r.finish is not None:
                 break
         return len(r.out) - before
@@ -573,27 +699,74 @@ class Engine:
         T = max(n_new[i] for i in live)
         hs = torch.stack([h[i, :T] for i in live])  # (B', T, D)
         nxt = [(rows[i].tokens[-n_new[i] :] + [0] * T)[:T] for i in live]
-        logits, h2 = self.mtp(hs, torch.tensor(nxt, device=self.device), base[live], [rows[i] for i in live])
+        nxt = torch.tensor(nxt, device=self.device)
+        logits, h2 = self.mtp(hs, nxt, [base[i] for i in live], [rows[i] for i in live])
         for j, i in enumerate(live):
             rows[i].draft_logits = logits[j, n_new[i] - 1]
             rows[i].h_mtp = h2[j, n_new[i] - 1]
 
     # --- appending a token: logprobs, text, stop conditions -----------------------------
 
-    def append(self, r, logits, token=None):
-        """Sample (unless `token` is given) from logits (V,), record it, and check the stop conditions."""
+    def sample_append(self, rows, logits, tokens=None):
+        """logits (B, V), one row per request -> sample each row's next token (unless `tokens` are
+        given), record it with its logprobs and check the stop conditions. Batched over the rows: the
+        greedy rows in one argmax, the logprobs in one log_softmax, one host sync for all; a sampled row
+        draws with its own generator. A row whose sampling fails fails alone."""
+        if tokens is None:
+            tokens = self.sample(rows, logits)
+        logprobs = self.logprobs(rows, logits, tokens)
+        for i, r in enumerate(rows):
+            if isinstance(tokens[i], Exception):
+                self.fail(r, tokens[i])
+            else:
+                self.append(r, tokens[i], *logprobs.get(i, (None, None)))
+
+    def sample(self, rows, logits):
+        """-> each row's token: the plain greedy rows (no penalties) by one batched argmax, the others as
+        sampling_probs says (an exception in place of the token if that fails)."""
+        plain = [i for i, r in enumerate(rows) if r.sp.temperature == 0 and not penalized(r.sp)]
+        tokens = [None] * len(rows)
+        if plain:
+            picked = logits if len(plain) == len(rows) else logits[plain]
+            for i, t in zip(plain, picked.argmax(-1).tolist()):
+                tokens[i] = t
+        for i, r in enumerate(rows):
+            if tokens[i] is not None:
+                continue
+            try:
+                probs = sampling_probs(penalize(logits[i], r.out, r.sp)[None], r.sp)[0]
+                tokens[i] = int(probs.argmax()) if r.sp.temperature == 0 else draw(probs, r.gen)
+            except Exception as e:  # e.g. a nan temperature: this request fails, not the batch
+                tokens[i] = e
+        return tokens
+
+    def logprobs(self, rows, logits, tokens):
+        """-> {row: (the token's logprob, its top sp.logprobs alternatives as (id, logprob) or None)} for
+        the rows that asked, at their temperature and before penalties, all rows in one pass."""
+        want = [i for i, r in enumerate(rows) if r.sp.logprobs is not None and isinstance(tokens[i], int)]
+        if not want:
+            return {}
+        temps = torch.tensor([rows[i].sp.temperature or 1.0 for i in want], device=logits.device)
+        lp = torch.log_softmax(upcast(logits[want]) / temps.to(upcast(logits).dtype)[:, None], -1)  # (W, V)
+        chosen = lp.gather(-1, torch.tensor([[tokens[i]] for i in want], device=lp.device))[:, 0].tolist()
+        n = min(max(rows[i].sp.logprobs for i in want), lp.shape[-1])
+        top_v, top_ix = torch.topk(lp, n) if n else (lp[:, :0], lp[:, :0].long())
+        top_v, top_ix = top_v.tolist(), top_ix.tolist()
+        out = {}
+        for j, i in enumerate(want):
+            k = rows[i].sp.logprobs
+            out[i] = (chosen[j], list(zip(top_ix[j][:k], top_v[j][:k])) if k > 0 else None)
+        return out
+
+    def append(self, r, token, logprob=None, top=None):
+        """Record a sampled token (and its logprob and alternatives) and check the stop conditions."""
         sp = r.sp
-        if token is None:
-            probs = sampling_probs(penalize(logits, r.out, sp)[None], sp)[0]
-            token = int(probs.argmax()) if sp.temperature == 0 else draw(probs, r.gen)
         r.out.append(token)
         r.versions.append(self.version)
-        if sp.logprobs is not None:
-            lp = torch.log_softmax(upcast(logits) / (sp.temperature or 1.0), -1)
-            r.logprobs.append(float(lp[token]))
-            if sp.logprobs > 0:
-                v, ix = torch.topk(lp, min(sp.logprobs, lp.shape[-1]))
-                r.top.append(list(zip(ix.tolist(), v.tolist())))
+        if logprob is not None:
+            r.logprobs.append(logprob)
+        if top is not None:
+            r.top.append(top)
         if token in r.stop_ids:
             return self.finish(r, "stop")
         text = self.tok.decode(r.out)
@@ -680,11 +853,10 @@ class Engine:
         """Rewrite r's cache with the current weights: every token but the last (the next step feeds it),
         and with MTP the block's cache and next draft, as admit() does for a prompt."""
         ids = torch.tensor([r.tokens[:-1]], device=self.device)  # (1, T)
-        start = torch.tensor([0], device=self.device)
-        _, h = self.forward(ids, start, [r])
+        h = self.forward(ids, [0], [r])
         if self.spec:
             nxt = torch.tensor([r.tokens[1:]], device=self.device)  # (1, T): each position's next token
-            logits, h2 = self.mtp(h, nxt, start, [r])
+            logits, h2 = self.mtp(h, nxt, [0], [r])
             r.draft_logits = logits[0, -1]
             r.h_mtp = h2[0, -1]
         self.stats["recomputed_tokens"] += ids.shape[1]

@@ -265,13 +265,17 @@ class MLA(nn.Module):
             iq, index_k, iw = self.indexer(ix, iq_lat, rope)  # (B, T, Hi, Di), (B, T, Di), (B, T, Hi)
 
         # the keys: this step's, or everything cached so far; query t sees key positions 0..last[t]
+        rows = None  # a paged cache read in place: (B, S) pool row of each row's positions
         if cache is not None:
             latent_all, index_k_all = cache.write(layer_id, positions, latent, index_k)  # (B, S, ...)
+            rows = getattr(cache, "rows", None)  # set: latent_all (N, C + R), index_k_all (N, Di) pools
+            if rows is not None and (want_kl or (form or "absorb") == "naive"):  # these need the history
+                latent_all, index_k_all, rows = latent_all[rows], index_k_all[rows], None
             last = positions  # (B, T)
         else:
             latent_all, index_k_all = latent, index_k
             last = torch.arange(T, device=x.device)[None]  # (1, T)
-        S = latent_all.shape[1]
+        S = latent_all.shape[1] if rows is None else rows.shape[1]
         visible = torch.arange(S, device=x.device) <= last[..., None]  # (B or 1, T, S)
 
         # DSA: with no more visible keys than index_topk, top-k would keep them all: sparse == dense
@@ -279,9 +283,9 @@ class MLA(nn.Module):
         form = form or ("absorb" if select or cache is not None else "naive")
         if form not in ("naive", "absorb"):
             raise ValueError(f"MLA form must be 'naive' or 'absorb', got {form!r}")
-        if select:
+        if select:  # idx: positions, or pool rows when reading a pool in place
             scale = self.indexer.softmax_scale
-            idx, valid = dsa.index_topk(iq, iw, index_k_all, last, c.index_topk, scale)  # (B, T, K)
+            idx, valid = dsa.index_topk(iq, iw, index_k_all, last, c.index_topk, scale, rows)  # (B, T, K)
 
         if form == "naive":
             mask = dsa.selection_mask(idx, valid, S) if select else visible  # (B or 1, T, S)
@@ -290,9 +294,16 @@ class MLA(nn.Module):
             w_uk, w_uv = self.w_uk_uv()
             q_abs = torch.einsum("bthd,hdc->bthc", q_nope, w_uk)  # (B, T, H, C)
             if select:  # each query reads only its K selected latents (Triton on a GPU)
-                o_lat, lse = dsa.sparse_mla(q_abs, q_pe, latent_all, idx, valid, self.softmax_scale)
+                pool = latent_all if rows is None else latent_all[None].expand(B, -1, -1)  # a view
+                o_lat, lse = dsa.sparse_mla(q_abs, q_pe, pool, idx, valid, self.softmax_scale)
             else:
                 mask = visible
+                if rows is not None:  # the visible positions marked at their pool rows: (B, T, N)
+                    N = latent_all.shape[0]
+                    where = rows[:, None, :].expand(B, T, S)
+                    mask = torch.zeros(B, T, N, dtype=torch.bool, device=x.device).scatter_(
+                        -1, where, visible
+                    )
                 o_lat, probs = self.absorbed_attention(q_abs, q_pe, latent_all, mask)
             o = torch.einsum("bthc,hvc->bthv", o_lat, w_uv)  # fold W_UV into the output: (B, T, H, v)
         out = self.o_proj(o.reshape(B, T, H * c.v_head_dim))
@@ -336,13 +347,16 @@ class MLA(nn.Module):
         return torch.einsum("bhts,bshv->bthv", probs.to(v.dtype), v), probs
 
     def absorbed_attention(self, q_abs, q_pe, latent, mask):
-        """MQA form over all the latents (B, S, C + R) under `mask`: q_abs (B, T, H, C) already holds
-        W_UK. Returns o_lat (B, T, H, C), before W_UV, and probs (B, H, T, S)."""
+        """MQA form over all the latents (B, S, C + R) under `mask` (B or 1, T, S); or over a page pool
+        (N, C + R) shared by the rows, read in place, under a (B, T, N) mask of each row's pool rows.
+        q_abs (B, T, H, C) already holds W_UK. Returns o_lat (B, T, H, C), before W_UV, and probs."""
         c_kv, k_pe = latent.split([self.cfg.kv_lora_rank, self.cfg.qk_rope_head_dim], dim=-1)
-        scores = torch.einsum("bthc,bsc->bhts", q_abs, c_kv) + torch.einsum("bthr,bsr->bhts", q_pe, k_pe)
+        kv = "bsc" if latent.dim() == 3 else "sc"
+        kr = "bsr" if latent.dim() == 3 else "sr"
+        scores = torch.einsum(f"bthc,{kv}->bhts", q_abs, c_kv) + torch.einsum(f"bthr,{kr}->bhts", q_pe, k_pe)
         scores = (upcast(scores) * self.softmax_scale).masked_fill(~mask[:, None], float("-inf"))
-        probs = scores.softmax(dim=-1)  # (B, H, T, S)
-        return torch.einsum("bhts,bsc->bthc", probs.to(c_kv.dtype), c_kv), probs
+        probs = scores.softmax(dim=-1)  # (B, H, T, S or N)
+        return torch.einsum(f"bhts,{kv}->bthc", probs.to(c_kv.dtype), c_kv), probs
 
 
 # -----------------------------------------------------------------------------
@@ -526,11 +540,12 @@ class KVCache:
             L, batch_size, max_seq_len, cfg.kv_lora_rank + cfg.qk_rope_head_dim, device=device, dtype=dtype
         )
         self.index_k = torch.zeros(L, batch_size, max_seq_len, cfg.index_head_dim, device=device, dtype=dtype)
+        self.length = None  # the furthest position of this forward + 1
 
     def write(self, layer_id, positions, latent, index_k):
         """positions (B, T), rows may differ -> each row's (B, S, ...) latents and index keys
         (engine.PagedCache has the same API)."""
-        S = int(positions.max()) + 1  # the one host sync: the check below and the visible length
+        S = self.length  # GLM5.forward sets it from start_pos on the host: no sync per layer
         if S > self.max_seq_len:
             raise ValueError(
                 f"position {S - 1} is past the cache's max_seq_len {self.max_seq_len}; allocate a longer "
@@ -626,6 +641,10 @@ class GLM5(nn.Module):
             start_pos, device=input_ids.device
         ).view(-1, 1)
         positions = positions.expand(B, T)  # (B, T)
+        if cache is not None:  # the cache's visible length, on the host once (a sync only for a tensor)
+            cache.length = (
+                start_pos if isinstance(start_pos, int) else int(torch.as_tensor(start_pos).max())
+            ) + T
         cos, sin = rope_cos_sin(
             positions, c.qk_rope_head_dim, c.rope_theta, upcast(self.lm_head.weight).dtype
         )

@@ -47,6 +47,41 @@ def test_selection_is_deterministic_under_ties():
     assert idx[0, 0].tolist() == list(range(k))
 
 
+def test_topk_with_packed_keys_equals_the_stable_sort_under_ties():
+    """The fast selection (torch.topk over the score's bits and the position packed into one int64)
+    equals the reference stable sort exactly, order included, under heavy ties: the toy indexer scores
+    exactly 0 often (every ReLU head off), as +0.0 or -0.0 (a negative head weight), and the mask's -inf."""
+    g = torch.Generator().manual_seed(0)
+    B, T, S, k = 3, 17, 300, 64
+    scores = torch.randint(-2, 3, (B, T, S), generator=g).float() / 4  # 5 values: ties everywhere
+    scores[scores == 0] = torch.where(torch.rand(int((scores == 0).sum()), generator=g) < 0.5, 0.0, -0.0)
+    scores[0, :, :100] = 0.0  # a query whose top-k is nearly all zeros
+    scores[1] = torch.randn(T, S, generator=g)  # and one without ties
+    visible = torch.rand(B, T, S, generator=g) < 0.7
+    for kk in (k, S):
+        fast = dsa.topk_select(scores, visible, kk)
+        ref = dsa.topk_select(scores, visible, kk, exact_sort=True)
+        assert torch.equal(fast[0], ref[0]) and torch.equal(fast[1], ref[1])
+    keys = dsa.tie_broken_keys(torch.tensor([-1.5, -0.0, 0.0, 1e-30, 2.0, float("-inf"), 0.0]))
+    assert keys.argsort(descending=True).tolist() == [4, 3, 1, 2, 6, 0, 5]
+
+
+def test_index_topk_over_a_page_pool_equals_the_gathered_history():
+    """Keys read in place from a pool (rows maps each row's positions to pool rows, pages out of order)
+    select the same keys, returned as pool rows, as the contiguous history."""
+    g = torch.Generator().manual_seed(1)
+    B, T, Hi, D, S, P = 2, 3, 4, 8, 40, 4
+    pool = torch.randn(64, D, generator=g)  # 16 pages of 4
+    pages = torch.stack([torch.randperm(16, generator=g)[: S // P] for _ in range(B)])  # (B, S / P)
+    s = torch.arange(S)
+    rows = pages[:, s // P] * P + s % P  # (B, S)
+    q, w = torch.randn(B, T, Hi, D, generator=g), torch.randn(B, T, Hi, generator=g)
+    last = torch.tensor([[20, 30, 39], [5, 6, 7]])
+    idx, valid = dsa.index_topk(q, w, pool[rows], last, 6, 0.3)
+    pidx, pvalid = dsa.index_topk(q, w, pool, last, 6, 0.3, rows)
+    assert torch.equal(pvalid, valid) and torch.equal(pidx, rows.gather(1, idx.flatten(1)).view_as(idx))
+
+
 def test_selected_index_scores_are_the_full_scores_gathered():
     B, T, S, Hi, Di, k = 2, 6, 30, 3, 16, 9
     q, w, keys = (

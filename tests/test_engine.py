@@ -58,6 +58,74 @@ def test_batched_equals_alone_equals_full_forward(ckpt, one_thread):
     assert eng.cache.available() == eng.cache.num_pages and not eng.running  # every page came back
 
 
+def alone(ckpt, prompts, sp, **kw):
+    """The engine's unbatched path: each prompt by itself in a fresh engine, prefilled in one forward."""
+    return [make_engine(ckpt, prefix_cache=False, **kw).generate([p], sp)[0].out for p in prompts]
+
+
+@pytest.mark.parametrize("spec", [0, 2])
+def test_batched_chunked_prefill_with_prefix_hits_equals_alone(ckpt, one_thread, spec):
+    """Every waiting request is prefilled in the same step: mixed lengths right-padded together,
+    prompts longer than prefill_chunk in chunks, some starting past a cached prefix; the greedy outputs
+    (and logprobs) equal each prompt run alone, with and without MTP drafts."""
+    sp = dataclasses.replace(GREEDY, logprobs=2)
+    shared = list(range(60, 81))  # 21 tokens: 5 full pages of 4 cached by the first request
+    prompts = [shared + [3, 9], PROMPTS[0], shared + [5], PROMPTS[1], list(range(100, 131))]
+    eng = make_engine(ckpt, prefill_chunk=5, spec_tokens=spec)
+    first = eng.generate([shared], sp)[0]
+    before = eng.stats["decode_steps"]
+    rs = [eng.submit(p, sp) for p in prompts]
+    eng.step()  # one step prefills all five (and decodes one token for each)
+    assert all(r.out for r in rs) and (spec or all(len(r.out) == 2 for r in rs))
+    assert eng.stats["decode_steps"] == before + 1
+    while eng.step():
+        pass
+    assert [r.n_cached for r in rs] == [20, 0, 20, 0, 0]
+    want = alone(ckpt, [shared] + prompts, sp)
+    assert [first.out] + [r.out for r in rs] == want
+    ref = make_engine(ckpt, prefix_cache=False).generate(prompts, sp)  # logprobs: to rounding
+    for r, w in zip(rs, ref):
+        torch.testing.assert_close(torch.tensor(r.logprobs), torch.tensor(w.logprobs), rtol=0, atol=1e-9)
+        assert [[i for i, _ in t] for t in r.top] == [[i for i, _ in t] for t in w.top]
+    assert eng.cache.available() == eng.cache.num_pages
+
+
+@pytest.mark.parametrize("mode", ["sparse", "dense"])
+def test_attention_over_the_page_pool_in_place_equals_the_gathered_history(ckpt, one_thread, mode):
+    """A pool at most twice the history is read in place (each position's pool row, pages handed out
+    out of order) instead of gathered per row: DSA's index keys and selected latents, and dense
+    attention's every latent. Greedy outputs and logprobs equal the gathering reference path."""
+    sp = dataclasses.replace(GREEDY, max_tokens=14, logprobs=1)
+    prompts = [list(range(30, 60)), list(range(100, 118))]  # 11 + 8 pages of 4 for prompt + max_tokens
+    out = {}
+    for in_place in (True, False):
+        # 19 pages + the scratch page = 80 slots: gathered while the longest history is under 40 tokens
+        eng = make_engine(ckpt, num_pages=19, in_place=in_place, prefix_cache=False)
+        eng.model.config.dsa_mode = mode
+        eng.cache.free = [5, 17, 2, 11, 0, 8, 14, 3, 9, 15, 1, 6, 12, 18, 4, 10, 16, 7, 13]  # out of order
+        seen = []
+        real = eng.cache.point
+
+        def point(tables, length):
+            real(tables, length)
+            seen.append(eng.cache.rows is not None)
+
+        eng.cache.point = point
+        out[in_place] = eng.generate(prompts, sp)
+        assert seen[-1] == in_place and not seen[0]  # the last steps in place, the prefill gathered
+    for a, b in zip(out[True], out[False]):
+        assert a.out == b.out
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=1e-9)
+
+
+def test_prefill_groups_rows_of_similar_length():
+    rows = list("abcde")
+    assert engine.similar_lengths(rows, [8, 8, 8, 8, 8], 512) == [rows]
+    groups = engine.similar_lengths(rows, [100, 3, 90, 4, 95], 512)
+    assert groups == [["a", "e", "c"], ["d", "b"]]  # 100 and 3 in one forward would pad 97 tokens
+    assert engine.similar_lengths(rows, [900, 600, 3, 3, 3], 512) == [["a", "b"], ["c", "d", "e"]]
+
+
 def test_cached_logprobs_match_full_forward(ckpt, one_thread):
     eng = make_engine(ckpt, prefix_cache=False)
     sp = engine.SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=3)
@@ -280,7 +348,7 @@ def test_penalties_are_subtracted_as_openai_specifies(ckpt):
     logits[4] = 5.0
     r = engine.Request([4, 4, 4], engine.SamplingParams(temperature=0, frequency_penalty=0.75), set())
     for _ in range(3):
-        eng.append(r, logits)
+        eng.sample_append([r], logits[None])
     assert r.out == [4, 4, 3]  # 5, then 4.25, then 3.5 < 4: the prompt's three 4s do not count
 
 

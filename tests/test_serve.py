@@ -319,8 +319,8 @@ def scripted_server(ckpt, script_for):
     eng = engine.Engine(m.eval(), ckpt[1], num_pages=512, page_size=4)
     real = eng.append
 
-    def scripted(r, logits, token=None):
-        return real(r, logits, script_for(r)[len(r.out)])
+    def scripted(r, token, logprob=None, top=None):
+        return real(r, script_for(r)[len(r.out)], logprob, top)
 
     eng.append = scripted
     srv, stop = serve.make_server(eng, port=0, model_name="tiny")
