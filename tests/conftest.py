@@ -59,6 +59,15 @@ def tiny_config(**kw):
     return model.ModelConfig(**base)
 
 
+def expert_weight(moe, e, proj):
+    """Expert e's `proj` ("gate_proj", "up_proj" or "down_proj") weight as the checkpoint names it: a view
+    of the MoE's stacked expert tensors."""
+    views = {}
+    for n, t in moe.experts.named_parameters():
+        views.update(model.per_expert_tensors(f"experts.{n}", t))
+    return views[f"experts.{e}.{proj}.weight"]
+
+
 def randomize(m, seed=None):
     """Fresh random values for everything a checkpoint could hold, norms and router bias included."""
     g = torch.Generator().manual_seed(seed if seed is not None else torch.seed() % 2**31)
