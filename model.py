@@ -422,29 +422,33 @@ class Router(nn.Module):
 #   gate_up_proj (E, 2F, D): expert e's gate_proj.weight (F, D) on top of its up_proj.weight (F, D)
 #   down_proj    (E, D, F):  expert e's down_proj.weight
 # The released checkpoint keeps one SwiGLU per expert (mlp.experts.{e}.gate_proj.weight, ...):
-# per_expert_tensors names the per-expert views of a stacked tensor (weights.py reads and writes
+# per_expert_state names the per-expert views of a stacked tensor (weights.py reads and writes
 # safetensors through them) and Experts._load_from_state_dict stacks a per-expert state dict (an older
 # ckpt.pt) on load.
 EXPERTS_IMPL = "grouped"  # "grouped": one grouped GEMM per projection; "loop": one expert at a time
 
 
-def per_expert_tensors(name, t):
-    """A state_dict entry -> {released name: tensor}: a stacked expert tensor becomes its per-expert views
-    (`...experts.gate_up_proj` (E, 2F, D) -> `...experts.{e}.gate_proj.weight` and `.up_proj.weight`, each
-    (F, D); `...experts.down_proj` (E, D, F) -> `...experts.{e}.down_proj.weight`); any other entry is
-    returned as it is. The views share t's storage: copying into them writes the stacked tensor."""
-    if name.endswith("experts.gate_up_proj"):
+def per_expert_state(state_dict):
+    """A state dict -> the same tensors by released name: each stacked expert tensor becomes per-expert
+    views (`...experts.gate_up_proj` (E, 2F, D) and `...experts.down_proj` (E, D, F) -> for e = 0, 1, ...:
+    `...experts.{e}.gate_proj.weight` (F, D), `.up_proj.weight` (F, D), `.down_proj.weight` (D, F), the
+    order one module per expert had); every other entry as it is. The views share the stacked storage:
+    copying into them writes the model."""
+    out = {}
+    for name, t in state_dict.items():
+        if name.endswith("experts.down_proj"):
+            continue  # placed beside gate_up_proj, expert by expert
+        if not name.endswith("experts.gate_up_proj"):
+            out[name] = t
+            continue
         prefix = name[: -len("gate_up_proj")]
         gate, up = t.chunk(2, dim=1)  # (E, F, D) each
-        out = {}
+        down = state_dict[prefix + "down_proj"]  # (E, D, F)
         for e in range(t.shape[0]):
             out[f"{prefix}{e}.gate_proj.weight"] = gate[e]
             out[f"{prefix}{e}.up_proj.weight"] = up[e]
-        return out
-    if name.endswith("experts.down_proj"):
-        prefix = name[: -len("down_proj")]
-        return {f"{prefix}{e}.down_proj.weight": t[e] for e in range(t.shape[0])}
-    return {name: t}
+            out[f"{prefix}{e}.down_proj.weight"] = down[e]
+    return out
 
 
 class Experts(nn.Module):

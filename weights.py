@@ -38,7 +38,7 @@ import struct
 import numpy as np
 import torch
 
-from model import GLM5, ModelConfig, MoE, per_expert_tensors
+from model import GLM5, ModelConfig, MoE, per_expert_state
 
 # safetensors dtype strings <-> torch dtypes
 DTYPES = {
@@ -325,13 +325,9 @@ def checkpoint_name(name, num_hidden_layers):
 
 def checkpoint_tensors(state_dict, num_hidden_layers):
     """Our state_dict -> {released name: tensor}: the MTP renaming above, and each layer's stacked experts
-    (model.Experts) as one tensor per expert and projection (model.per_expert_tensors), views that share
+    (model.Experts) as one tensor per expert and projection (model.per_expert_state), views that share
     the stacked storage, so copying into them on load fills the model."""
-    out = {}
-    for name, t in state_dict.items():
-        for n, v in per_expert_tensors(name, t).items():
-            out[checkpoint_name(n, num_hidden_layers)] = v
-    return out
+    return {checkpoint_name(n, num_hidden_layers): t for n, t in per_expert_state(state_dict).items()}
 
 
 def save_pretrained(model, directory, dtype=torch.bfloat16, max_shard_bytes=5 * 2**30):
