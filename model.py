@@ -499,9 +499,12 @@ def experts_loop(x, counts, gate_up, down):
 
 
 def grouped_mm_ok(x, gate_up, down):
-    """torch's grouped GEMM (F.grouped_mm) takes fp32/bf16/fp16 on a CPU and bf16 on a GPU, with every
-    row stride a multiple of 16 bytes (its backward too); otherwise the loop runs (fp64 tests, odd sizes)."""
+    """torch's grouped GEMM (F.grouped_mm) takes fp32/bf16/fp16 on a CPU and bf16 on a GPU (sm80 or newer),
+    with every row stride a multiple of 16 bytes (its backward too); otherwise the loop runs (fp64 tests,
+    odd sizes)."""
     if not hasattr(F, "grouped_mm"):
+        return False
+    if x.device.type == "cuda" and torch.cuda.get_device_capability(x.device) < (8, 0):
         return False
     dtypes = (torch.bfloat16,) if x.device.type == "cuda" else (torch.float32, torch.bfloat16, torch.float16)
     size = x.element_size()
