@@ -357,14 +357,46 @@ def full_state(m, optimizers):
     return msd, osds
 
 
+def stack_expert_states(osd, optimizer):
+    """An optimizer state dict from before the experts were stacked (a ckpt.pt of an older train.py: one
+    entry per expert matrix, `...mlp.experts.{e}.gate_proj.weight`) -> one for model.Experts' stacked
+    parameters: each state tensor stacked as the weights are (gate rows on up rows, expert by expert), and
+    the groups of `optimizer` as they are now (the old groups list parameters that no longer exist; the
+    schedule sets the learning rates again at the next step). Any other state dict comes back as it is."""
+    state = osd["state"]
+    if not any(".mlp.experts." in n and n.endswith("_proj.weight") for n in state):
+        return osd
+    state = dict(state)
+    for g in optimizer.param_groups:
+        for name in g["names"]:
+            if not name.endswith(("experts.gate_up_proj", "experts.down_proj")) or name in state:
+                continue
+            prefix = name.rsplit(".", 1)[0]  # ...mlp.experts
+            parts = ("gate_proj", "up_proj") if name.endswith("gate_up_proj") else ("down_proj",)
+            rows, e = [], 0
+            while f"{prefix}.{e}.{parts[0]}.weight" in state:
+                rows.append([state.pop(f"{prefix}.{e}.{p}.weight") for p in parts])
+                e += 1
+            if rows:  # {key: (E, rows, cols)}, e.g. Muon's momentum_buffer
+                state[name] = {
+                    k: torch.stack([torch.cat([r[k] for r in row]) for row in rows]) for k in rows[0][0]
+                }
+    groups = []
+    for g in optimizer.param_groups:
+        groups.append({k: v for k, v in g.items() if k != "params"} | {"params": list(g["names"])})
+    return {"state": state, "param_groups": groups}
+
+
 def load_optimizer_states(m, optimizers, osds):
     """The optimizer half of full_state's inverse, on every rank after sharding: each rank takes the
     slices of its shards and the states of its own experts (the model's weights are loaded whole, before
-    sharding)."""
+    sharding). A checkpoint from before the experts were stacked is converted first (stack_expert_states),
+    as model.Experts converts its weights."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
     here = {n for n, _ in m.named_parameters()}
     for o, osd in zip(optimizers, osds):
+        osd = stack_expert_states(osd, o)
         groups = [dict(g, params=[n for n in g["params"] if n in here]) for g in osd["param_groups"]]
         state = {n: s for n, s in osd["state"].items() if n in here}
         # strict=False: parameters that never had a gradient (the indexer in pretraining) have no state
