@@ -5,6 +5,11 @@ run, then time `--steps` full training steps (forward + backward of train.py's p
 MTP and the balance loss, gradient clipping, Muon + AdamW step, router bias update) after `--warmup`
 untimed ones.
 
+The MoE experts run both ways in the same run (--experts=both, the default): the per-expert loop
+(model.experts_loop, the reference) and the grouped GEMM (model.experts_grouped, the model's path), two
+models with the same weights stepped in alternation, so both see the same machine load; the table's row is
+the grouped path's and the line under it gives both step times and their ratio.
+
 Printed per config: ms/step, tokens/s, memory, and three MFUs, each (FLOPs per step / step time) / peak:
     MFU 6N        6 x activated parameters per token (without MTP), as train.py's log line counts it
     MFU 6N+attn   plus attention's T^2 term, 6 x layers x heads x (qk_head_dim + v_head_dim) x T per token
@@ -20,6 +25,7 @@ Run it:
     python bench_train.py --configs=configs/toy.py --steps=20 --batch_size=16
     python bench_train.py --device=cuda                     # small in bf16 autocast on one GPU
     python bench_train.py --configs=configs/small.py --layers=2 --block_size=512
+    python bench_train.py --configs=configs/toy.py --experts=grouped   # one path only (half the memory)
 
 Honest limits:
 - configs/small.py is 1.37B parameters; training it in fp32 needs about 12-16 bytes per parameter plus
@@ -31,6 +37,8 @@ Honest limits:
 - On a CPU shared with other processes every timing here is noisy; the peak is the best of several
   matmuls, so contention during the steps lowers MFU. GPU timings need a quiet GPU too.
 - The dense pretraining stage only: DSA's sparse path and the indexer KL are not timed.
+- torch's FLOP counter does not count grouped GEMMs, so the counted step runs the loop (same FLOPs).
+- --experts=both keeps two models in memory (the estimate counts both).
 """
 
 import argparse
@@ -135,7 +143,8 @@ def bench_config(path, args, dev, dtype, peak):
     cfg, counts = fit_in_memory(cfg, name, path, B, T, args, dev)
     if cfg is None:
         return None
-    dt, mem, counted, seen_attention = time_steps(cfg, B, T, args, dev, dtype)
+    dts, mem, counted, seen_attention = time_steps(cfg, B, T, args, dev, dtype)
+    dt = dts.get("grouped", dts.get("loop"))  # the row is the model's own path
     n_active = counts["activated per token (without MTP)"]
     tok_s = B * T / dt
     flops_6n = 6 * n_active
@@ -153,6 +162,7 @@ def bench_config(path, args, dev, dtype, peak):
         "mfu_counted": counted / dt / peak,
         "counted_per_token": counted / (B * T),
         "counted_attention": "counter" if seen_attention else "analytic",
+        "experts_ms": {impl: 1000 * t for impl, t in dts.items()},
     }
 
 
@@ -171,11 +181,17 @@ def fit_in_memory(cfg, name, path, B, T, args, dev):
         )
     have = torch.cuda.mem_get_info(dev)[0] if dev.startswith("cuda") else mem_available()
     budget = args.mem_frac * have
-    need, counts = estimate_bytes(cfg, B, T, dev)
+    copies = 2 if args.experts == "both" else 1  # both expert paths keep a model each
+
+    def estimate(c):
+        need, counts = estimate_bytes(c, B, T, dev)
+        return copies * need, counts
+
+    need, counts = estimate(cfg)
     min_layers = min(cfg.num_hidden_layers, cfg.first_k_dense_replace + 1)  # keep one MoE layer
     while need > budget and not args.layers and cfg.num_hidden_layers > min_layers:
         cfg = dataclasses.replace(cfg, num_hidden_layers=cfg.num_hidden_layers - 1)
-        need, counts = estimate_bytes(cfg, B, T, dev)
+        need, counts = estimate(cfg)
     if need > budget:
         print(
             f"{name}: skipped: {cfg.num_hidden_layers} layers at {B} x {T} need about "
@@ -202,29 +218,34 @@ def fit_in_memory(cfg, name, path, B, T, args, dev):
 
 
 def time_steps(cfg, B, T, args, dev, dtype):
-    """Build the model and step it as train.py does: --warmup untimed steps, then --steps timed ones; then
-    one more forward + backward under the FLOP counter, not timed (the optimizer's FLOPs are not model
-    FLOPs). -> (median seconds per step, peak memory in bytes, FLOPs counted per step, whether the counter
+    """Build the model and step it as train.py does, once per expert path (--experts): --warmup untimed
+    steps each, then --steps timed ones, the paths taking turns step by step; then one more forward +
+    backward under the FLOP counter, not timed (the optimizer's FLOPs are not model FLOPs).
+    -> ({path: median seconds per step}, peak memory in bytes, FLOPs counted per step, whether the counter
     saw the attention kernel)."""
-    torch.manual_seed(0)
-    m = model.GLM5(cfg).to(dev)
-    opts = muon.build_optimizers(
-        m, lr_muon=0.02, lr_adamw=3e-3, ns_dtype=dtype if dev.startswith("cuda") else torch.float32
-    )
+    impls = ["loop", "grouped"] if args.experts == "both" else [args.experts]
     autocast = nullcontext()
     if dev.startswith("cuda") and dtype != torch.float32:
         autocast = torch.autocast("cuda", dtype=dtype)
     gen = torch.Generator().manual_seed(0)
     x = torch.randint(0, cfg.vocab_size, (B, T + 1), generator=gen)  # throughput does not need real text
     x = x.to(dev)
+    runs = {}
+    for impl in impls:
+        torch.manual_seed(0)  # the same weights for every path
+        m = model.GLM5(cfg).to(dev)
+        ns_dtype = dtype if dev.startswith("cuda") else torch.float32
+        runs[impl] = (m, muon.build_optimizers(m, lr_muon=0.02, lr_adamw=3e-3, ns_dtype=ns_dtype))
 
-    def forward_backward():
+    def forward_backward(m):
         with autocast:
             _, losses = m(x[:, :-1], x[:, 1:], mtp_weight=0.3, balance_weight=1e-4)
         losses["loss"].backward()
 
-    def step():
-        forward_backward()
+    def step(impl):
+        m, opts = runs[impl]
+        model.EXPERTS_IMPL = impl  # the module's switch, read by every MoE layer
+        forward_backward(m)
         torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
         for o in opts:
             o.step()
@@ -232,25 +253,31 @@ def time_steps(cfg, B, T, args, dev, dtype):
         model.update_router_bias(m, 1e-3)
 
     for _ in range(args.warmup):
-        step()
+        for impl in impls:
+            step(impl)
     if dev.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats(dev)
-    times = []
+    times = {impl: [] for impl in impls}
     for _ in range(args.steps):
-        sync(dev)
-        t0 = time.perf_counter()
-        step()
-        sync(dev)
-        times.append(time.perf_counter() - t0)
-    dt = sorted(times)[len(times) // 2]  # the median step: robust to a stray slow one
+        for impl in impls:  # alternate, so a burst of load from other processes hits both paths
+            sync(dev)
+            t0 = time.perf_counter()
+            step(impl)
+            sync(dev)
+            times[impl].append(time.perf_counter() - t0)
+    dt = {impl: sorted(t)[len(t) // 2] for impl, t in times.items()}  # the median step: robust to a stray one
     if dev.startswith("cuda"):
         mem = torch.cuda.max_memory_allocated(dev)
     else:
         mem = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # process peak RSS so far (KiB)
 
+    # the counter does not count grouped GEMMs: count a step of the loop, the same FLOPs
+    m, opts = runs[impls[-1]]
+    model.EXPERTS_IMPL = "loop"
     fc = FlopCounterMode(display=False)
     with fc:
-        forward_backward()
+        forward_backward(m)
+    model.EXPERTS_IMPL = "grouped"
     for o in opts:
         o.zero_grad(set_to_none=True)
     counted = fc.get_total_flops()
@@ -284,6 +311,14 @@ def print_table(results, args, dev, peak, dname):
             f"{r['tokens_per_s']:>10,.0f} {100 * r['mfu_6n']:>6.2f}% {100 * r['mfu_6n_attn']:>10.2f}% "
             f"{100 * r['mfu_counted']:>10.2f}% {r['counted_per_token'] / 1e6:>10.1f}M {r['mem_gib']:>8.2f}"
         )
+    for r in results:
+        ms = r["experts_ms"]
+        if len(ms) == 2:
+            print(
+                f"{r['config']}: MoE experts as a per-expert loop {ms['loop']:.0f} ms/step, as grouped GEMMs "
+                f"{ms['grouped']:.0f} ms/step: grouped is {ms['loop'] / ms['grouped']:.2f}x the loop's speed "
+                "(same weights, steps alternated)"
+            )
     if any(r["counted_attention"] == "analytic" for r in results):
         print(
             "MFU counted: attention added analytically "
@@ -311,6 +346,12 @@ def main():
         help="num_hidden_layers to run (0: the config's, cut if it does not fit)",
     )
     ap.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    ap.add_argument(
+        "--experts",
+        default="both",
+        choices=["both", "grouped", "loop"],
+        help="MoE expert path(s) to time: both side by side (default), or one",
+    )
     ap.add_argument(
         "--mem_frac", type=float, default=0.5, help="use at most this fraction of the memory available now"
     )

@@ -10,16 +10,17 @@ INT8 per-token activations):
 
 The switch (NANOGLM_KERNELS, kernels.use_triton) and Triton itself (or the stand-ins that let these
 definitions parse without it) come from kernels.py, which sets Triton's interpreter flag before any kernel
-is defined. These kernels have no user in the model yet (model.MoE keeps one nn.Module per expert, the
-checkpoint's layout), so they dispatch themselves, to the `*_ref` beside them.
+is defined. The grouped SwiGLU pair is model.run_experts' path on a GPU when no gradient is needed (serving);
+training takes torch's grouped GEMM, which has a backward. Each launcher dispatches itself, to the `*_ref`
+beside it off the GPU.
 
 Run:
     python -m pytest -q tests/test_kernels.py  # every kernel vs its reference: interpreter on CPU, GPU if any
     python bench_kernels.py --only=moe,w4a8    # GLM-5 shapes on a GPU (add --interpret on a CPU)
 
 Honest limits:
-- moe_experts wants the experts' weights stacked (stack_experts); the model keeps per-expert modules and
-  does not call it. W4A8 covers the MoE experts' format only (not W8A8 attention, not QuaRot).
+- Forward only: no backward kernel (training uses torch's grouped GEMM). W4A8 covers the MoE experts'
+  format only (not W8A8 attention, not QuaRot), and the model does not call it yet.
 - The activation quantizer rounds half up (floor(v + 0.5)), in the reference too, so both agree exactly.
 - Tile sizes are fixed and untuned, chosen without a GPU at hand (Marlin reaches ~4x over BF16 with INT4;
   expect these well short of it). Tested under Triton's interpreter; not yet run natively on a GPU.
@@ -37,11 +38,10 @@ from kernels import cdiv, pow2, tl, triton, use_triton
 
 
 def stack_experts(moe):
-    """model.MoE's per-expert weights (the checkpoint layout) -> w_gate, w_up (E, F, D), w_down (E, D, F)."""
-    return tuple(
-        torch.stack([getattr(e, n).weight for e in moe.experts])
-        for n in ("gate_proj", "up_proj", "down_proj")
-    )
+    """model.MoE's stacked experts -> w_gate, w_up (E, F, D), w_down (E, D, F): views of gate_up_proj
+    (gate rows on top of up rows per expert) and down_proj, no copy."""
+    w_gate, w_up = moe.experts.gate_up_proj.chunk(2, dim=1)
+    return w_gate, w_up, moe.experts.down_proj
 
 
 def grouped_swiglu_ref(x, offsets, w_gate, w_up):
@@ -133,7 +133,11 @@ def grouped_matmul_kernel(
 def grouped_matmul(x, offsets, w1, w2, row_weight, swiglu, block_m=64, block_n=64, block_k=64):
     N, K_in = x.shape
     E, N_out = w1.shape[0], w1.shape[1]
-    x, w1, w2 = x.contiguous(), w1.contiguous(), w2.contiguous()
+    x = x.contiguous()
+    # the kernel wants unit stride along K and one stride layout for both weights; the gate and up halves
+    # of model.Experts.gate_up_proj are such views already (no copy of the experts' weights per call)
+    if w1.stride(-1) != 1 or w2.stride() != w1.stride():
+        w1, w2 = w1.contiguous(), w2.contiguous()
     y = torch.empty(N, N_out, device=x.device, dtype=x.dtype)
     tile_e, tile_row = expert_tiles(offsets, N, block_m)
     grid = (tile_e.numel(), cdiv(N_out, block_n))

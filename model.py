@@ -12,8 +12,10 @@ config.json), in one file:
   MLA over the selected latents (absorbed form) or its dense-masked reference (naive form), and the
   indexer KL of the dense warm-up and the sparse stage, built once from the attention that ran.
 - MoE (DeepSeek-V3 report, section 2.1.2): fp32 sigmoid router, e_score_correction_bias for selection
-  only, normalised top-k weights x routed_scaling_factor, one shared expert, experts run batched per
-  expert; the aux-loss-free bias update and the sequence-level balance loss as functions training calls.
+  only, normalised top-k weights x routed_scaling_factor, one shared expert; the routed experts stacked
+  per layer and run as one grouped GEMM per projection over the tokens routed to them (the per-expert
+  loop kept as the reference, EXPERTS_IMPL); the aux-loss-free bias update and the sequence-level
+  balance loss as functions training calls.
 - MTP (GLM-5 report, section 2): enorm/hnorm/eh_proj -> a full decoder layer -> shared_head.norm ->
   the shared lm_head, one block applied num_mtp_steps times.
 - Incremental decoding over a cache holding only [c_kv | k_pe] (512 + 64 values) and the 128-d
@@ -25,7 +27,10 @@ Run it:
     python model.py configs/full.py    # the 744B parameter table, in seconds, on the meta device
     python -m pytest -q tests/test_model.py tests/test_dsa.py tests/test_reference.py
 Honest limits: attention is plain torch (SDPA when dense) except DSA's selection and sparse MLA, which
-dsa.py runs as Triton kernels on a GPU; kernels_moe.py's grouped experts and W4A8 are not wired in; KVCache
+dsa.py runs as Triton kernels on a GPU; the experts use kernels_moe.py's Triton kernels on a GPU only
+without gradients, torch's grouped GEMM where its dtype and 16-byte row rule allow (fp32/bf16 on a CPU,
+bf16 on a GPU), and the per-expert loop (a host sync per layer) otherwise, fp64 included; W4A8 is not
+wired in; KVCache
 is contiguous (engine.py pages it); token ids are range-checked on CPU only (on a GPU the check would
 cost a host sync per step, and nn.Embedding asserts instead).
 """
@@ -43,6 +48,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import dsa
+import kernels
+import kernels_moe
 from dsa import upcast
 
 # -----------------------------------------------------------------------------
@@ -177,9 +184,16 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        # normalise in fp32, cast back, then scale (the released implementation's order)
+        # normalise in fp32, cast back, then scale (the released implementation's order); F.rms_norm is
+        # one fused op for rms_norm_ref's three
         xf = upcast(x)
-        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        return self.weight * F.rms_norm(xf, (xf.shape[-1],), eps=self.eps).to(x.dtype)
+
+
+def rms_norm_ref(x, weight, eps):
+    """RMSNorm.forward written out: the reference F.rms_norm is tested against."""
+    xf = upcast(x)
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def rope_cos_sin(positions, dim, theta, dtype=torch.float32):
@@ -192,7 +206,16 @@ def rope_cos_sin(positions, dim, theta, dtype=torch.float32):
 
 def apply_rope(x, cos, sin):
     """Interleaved RoPE: rotate adjacent pairs (x[2i], x[2i+1]) by angle i (GPT-J layout, as GLM-5).
-    x (B, T, ..., dim); cos/sin (B, T, dim/2) broadcast over the middle axes."""
+    x (B, T, ..., dim); cos/sin (B, T, dim/2) broadcast over the middle axes. Each pair is a complex number
+    x[2i] + j x[2i+1] multiplied by cos + j sin: one complex multiply, no stack of the two halves
+    (apply_rope_ref is the rotation written out)."""
+    shape = (cos.shape[0], cos.shape[1]) + (1,) * (x.dim() - 3) + (cos.shape[-1],)
+    rot = torch.complex(cos, sin).view(shape)  # (B, T, 1.., dim/2)
+    xc = torch.view_as_complex(x.to(cos.dtype).contiguous().unflatten(-1, (-1, 2)))  # (B, T, .., dim/2)
+    return torch.view_as_real(xc * rot).flatten(-2).to(x.dtype)
+
+
+def apply_rope_ref(x, cos, sin):
     shape = (cos.shape[0], cos.shape[1]) + (1,) * (x.dim() - 3) + (cos.shape[-1],)
     cos, sin = cos.view(shape), sin.view(shape)
     x1, x2 = x.to(cos.dtype).unflatten(-1, (-1, 2)).unbind(-1)
@@ -363,7 +386,7 @@ class MLA(nn.Module):
 # Feed-forward: dense SwiGLU and the sigmoid-routed MoE
 
 
-class MLP(nn.Module):  # SwiGLU; also each routed and the shared expert
+class MLP(nn.Module):  # SwiGLU: the dense layers and the shared expert
     def __init__(self, dim, hidden):
         super().__init__()
         self.gate_proj = Linear(dim, hidden, bias=False)
@@ -409,14 +432,153 @@ class Router(nn.Module):
         return ids, w * c.routed_scaling_factor, scores
 
 
+# The routed experts of a layer are stacked, as one tensor each (the layout grouped GEMMs want):
+#   gate_up_proj (E, 2F, D): expert e's gate_proj.weight (F, D) on top of its up_proj.weight (F, D)
+#   down_proj    (E, D, F):  expert e's down_proj.weight
+# The released checkpoint keeps one SwiGLU per expert (mlp.experts.{e}.gate_proj.weight, ...):
+# per_expert_state names the per-expert views of a stacked tensor (weights.py reads and writes
+# safetensors through them) and Experts._load_from_state_dict stacks a per-expert state dict (an older
+# ckpt.pt) on load.
+EXPERTS_IMPL = "grouped"  # "grouped": one grouped GEMM per projection; "loop": one expert at a time
+
+
+def per_expert_state(state_dict):
+    """A state dict -> the same tensors by released name: each stacked expert tensor becomes per-expert
+    views (`...experts.gate_up_proj` (E, 2F, D) and `...experts.down_proj` (E, D, F) -> for e = 0, 1, ...:
+    `...experts.{e}.gate_proj.weight` (F, D), `.up_proj.weight` (F, D), `.down_proj.weight` (D, F), the
+    order one module per expert had); every other entry as it is. The views share the stacked storage:
+    copying into them writes the model."""
+    out = {}
+    for name, t in state_dict.items():
+        if name.endswith("experts.down_proj"):
+            continue  # placed beside gate_up_proj, expert by expert
+        if not name.endswith("experts.gate_up_proj"):
+            out[name] = t
+            continue
+        prefix = name[: -len("gate_up_proj")]
+        gate, up = t.chunk(2, dim=1)  # (E, F, D) each
+        down = state_dict[prefix + "down_proj"]  # (E, D, F)
+        for e in range(t.shape[0]):
+            out[f"{prefix}{e}.gate_proj.weight"] = gate[e]
+            out[f"{prefix}{e}.up_proj.weight"] = up[e]
+            out[f"{prefix}{e}.down_proj.weight"] = down[e]
+    return out
+
+
+class Experts(nn.Module):
+    """The n routed experts of one MoE layer, stacked (see above). forward(x, counts): x (rows, D) sorted
+    by expert, counts (n,) rows per expert -> (rows, D), row r through its own expert's SwiGLU."""
+
+    def __init__(self, n, dim, hidden):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(n, 2 * hidden, dim))
+        self.down_proj = nn.Parameter(torch.empty(n, dim, hidden))
+
+    def init_weights(self, std):
+        # expert by expert, gate then up then down: the same draws as one nn.Linear per expert, in order
+        gate, up = self.gate_up_proj.detach().chunk(2, dim=1)
+        for e in range(self.down_proj.shape[0]):
+            for w in (gate[e], up[e], self.down_proj.detach()[e]):
+                nn.init.normal_(w, std=std)
+
+    def forward(self, x, counts, impl=None):
+        return run_experts(x, counts, self.gate_up_proj, self.down_proj, impl)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # a state dict from before the experts were stacked (a ckpt.pt of an older train.py) holds
+        # {prefix}{e}.gate_proj.weight, ...: stack them into this module's two tensors, then load as usual
+        n = self.down_proj.shape[0]
+        old = [f"{prefix}{e}.{p}.weight" for e in range(n) for p in ("gate_proj", "up_proj", "down_proj")]
+        if f"{prefix}gate_up_proj" not in state_dict and all(k in state_dict for k in old):
+            gate_up, down = [], []
+            for e in range(n):
+                g = state_dict.pop(f"{prefix}{e}.gate_proj.weight")
+                u = state_dict.pop(f"{prefix}{e}.up_proj.weight")
+                gate_up.append(torch.cat([g, u], dim=0))  # (2F, D)
+                down.append(state_dict.pop(f"{prefix}{e}.down_proj.weight"))  # (D, F)
+            state_dict[f"{prefix}gate_up_proj"] = torch.stack(gate_up)  # (n, 2F, D)
+            state_dict[f"{prefix}down_proj"] = torch.stack(down)  # (n, D, F)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+
+def experts_loop(x, counts, gate_up, down):
+    """The reference: each expert once over its rows, one after the other. The split sizes cost a host
+    sync (counts.tolist()). An expert with no rows still runs, on an empty batch, so its gradient is zeros
+    and not None: FSDP2 ranks must agree on which gradients exist."""
+    outs = []
+    for e, x_e in enumerate(x.split(counts.tolist())):
+        g, u = F.linear(x_e, gate_up[e]).chunk(2, dim=-1)  # (n_e, F) each
+        outs.append(F.linear(F.silu(g) * u, down[e]))  # (n_e, D)
+    return torch.cat(outs)
+
+
+def grouped_mm_ok(x, gate_up, down):
+    """torch's grouped GEMM (F.grouped_mm) takes fp32/bf16/fp16 on a CPU and bf16 on a GPU (sm80 or newer),
+    with every row stride a multiple of 16 bytes (its backward too); otherwise the loop runs (fp64 tests,
+    odd sizes)."""
+    if not hasattr(F, "grouped_mm"):
+        return False
+    if x.device.type == "cuda" and torch.cuda.get_device_capability(x.device) < (8, 0):
+        return False
+    dtypes = (torch.bfloat16,) if x.device.type == "cuda" else (torch.float32, torch.bfloat16, torch.float16)
+    size = x.element_size()
+    return x.dtype in dtypes and all((n * size) % 16 == 0 for n in (x.shape[-1], down.shape[-1]))
+
+
+def experts_grouped(x, counts, gate_up, down):
+    """Every expert in one grouped GEMM per projection: expert e's rows end at offs[e], a cumulative sum
+    computed on the device, so nothing waits for the host. The gradient reaches every expert (zeros where
+    an expert had no rows), as in the loop."""
+    offs = counts.cumsum(0).to(torch.int32)  # (E,) end of each expert's rows
+    h = F.grouped_mm(x, gate_up.transpose(-2, -1), offs=offs)  # (rows, 2F)
+    g, u = h.chunk(2, dim=-1)
+    return F.grouped_mm(F.silu(g) * u, down.transpose(-2, -1), offs=offs)  # (rows, D)
+
+
+def experts_triton(x, counts, gate_up, down):
+    """kernels_moe's grouped SwiGLU and down projection (one launch each, empty experts free); forward
+    only, so a GPU uses it when no gradient is needed (serving, sampling)."""
+    offsets = F.pad(counts.cumsum(0), (1, 0))  # (E + 1,)
+    w_gate, w_up = gate_up.chunk(2, dim=1)  # (E, F, D) views, no copy
+    h = kernels_moe.grouped_swiglu(x, offsets, w_gate, w_up)  # (rows, F)
+    ones = torch.ones(x.shape[0], device=x.device)  # the routing weights are applied by combine_experts
+    return kernels_moe.grouped_down(h, offsets, down, ones)
+
+
+def run_experts(x, counts, gate_up, down, impl=None):
+    """The one dispatch: x (rows, D) sorted by expert, counts (E,) -> (rows, D). impl None reads
+    EXPERTS_IMPL; "grouped" runs Triton on a GPU without gradients, torch's grouped GEMM where it can
+    (under autocast in the autocast dtype, as nn.Linear would) and the loop otherwise."""
+    impl = impl or EXPERTS_IMPL
+    if impl not in ("grouped", "loop"):
+        raise ValueError(f"experts impl must be 'grouped' or 'loop', got {impl!r}")
+    if impl == "loop":
+        return experts_loop(x, counts, gate_up, down)
+    needs_grad = torch.is_grad_enabled() and (x.requires_grad or gate_up.requires_grad)
+    if kernels.use_triton(x) and not needs_grad:
+        return experts_triton(x, counts, gate_up, down)
+    dev = x.device.type
+    if torch.is_autocast_enabled(dev):
+        dt = torch.get_autocast_dtype(dev)
+        x, gate_up, down = x.to(dt), gate_up.to(dt), down.to(dt)
+    if grouped_mm_ok(x, gate_up, down):
+        return experts_grouped(x, counts, gate_up, down)
+    return experts_loop(x, counts, gate_up, down)
+
+
+def expert_counts(ids, E):
+    """ids (N, k) -> rows per expert (E,), long. A scatter-add, not torch.bincount: on a GPU bincount
+    reads the largest id back to the host first."""
+    flat = ids.flatten()
+    return torch.zeros(E, dtype=torch.long, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))
+
+
 class MoE(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         self.cfg = cfg
         self.gate = Router(cfg)
-        self.experts = nn.ModuleList(
-            MLP(cfg.hidden_size, cfg.moe_intermediate_size) for _ in range(cfg.n_routed_experts)
-        )
+        self.experts = Experts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size)
         self.shared_experts = MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
         # tokens routed to each expert since the last bias update (the load statistics)
         self.register_buffer(
@@ -429,16 +591,13 @@ class MoE(nn.Module):
         E, k = self.cfg.n_routed_experts, self.cfg.num_experts_per_tok
         flat = x.reshape(-1, D)
         ids, w, scores = self.gate(flat)  # (N, k), (N, k), (N, E)
-        counts = torch.bincount(ids.flatten(), minlength=E)
+        counts = expert_counts(ids, E)  # (E,)
         if self.training and torch.is_grad_enabled():  # training steps only, not sampling mid-training
             self.tokens_per_expert += counts
-        # group the (token, slot) pairs by expert, then run each expert once over its tokens
+        # group the (token, slot) pairs by expert, then run every expert over its tokens
         order = ids.flatten().argsort(stable=True)  # (N * k,) pair indices, expert-major
         xs = flat.index_select(0, order // k)  # (N * k, D) the tokens, grouped by expert
-        # an expert with no tokens still runs (on an empty batch) so its gradient is zeros, not None:
-        # FSDP2 ranks must agree on which gradients exist
-        outs = [self.experts[e](x_e) for e, x_e in enumerate(xs.split(counts.tolist()))]
-        y = combine_experts(torch.cat(outs), order, w, flat.dtype)  # (N, D)
+        y = combine_experts(self.experts(xs, counts), order, w, flat.dtype)  # (N, D)
         balance = sequence_balance_loss(scores.view(B, T, E), ids.view(B, T, k), E) if want_balance else None
         return (y + self.shared_experts(flat)).view(B, T, D), balance
 
@@ -606,6 +765,8 @@ class GLM5(nn.Module):
         for m in self.modules():
             if isinstance(m, (nn.Linear, nn.Embedding, Router)):
                 nn.init.normal_(m.weight, std=std)
+            elif isinstance(m, Experts):
+                m.init_weights(std)
             elif isinstance(m, (RMSNorm, nn.LayerNorm)):
                 nn.init.ones_(m.weight)
                 if getattr(m, "bias", None) is not None:

@@ -26,11 +26,14 @@ Use it (a training loop):
 Honest limits:
 - Newton-Schulz runs in fp32 by default (`ns_dtype`), which is right on a CPU; on a GPU people run it in
   bf16 (about twice as fast, the iteration tolerates it). Pass ns_dtype=torch.bfloat16 there.
-- One Newton-Schulz call per parameter (a batch of blocks under Muon Split). The 256 same-shaped experts
-  of a layer are not stacked into one batched call; a fast run would do that.
+- One Newton-Schulz call per parameter (a batch of blocks under Muon Split). A layer's routed experts are
+  stacked (model.Experts), so its 256 experts' gate, up and down matrices are three batched calls, each
+  expert's matrix orthogonalised on its own, exactly as if each were a separate parameter.
 - FSDP2 / DTensor: every rank all-gathers the full momentum-updated matrix, runs the full Newton-Schulz
   itself, and keeps only its own shard of the result. Correct, but the work is repeated on every rank and
   the full matrix is briefly materialised; there is no sharded or rank-assigned Newton-Schulz here.
+  Stacked experts are the exception: a shard along the expert dimension holds whole experts, so each
+  rank orthogonalises its own experts, with no gather.
   Tested on 2 CPU ranks over gloo (bare DTensors and fully_shard), not on GPUs over NCCL.
 - GLM-5's learning rates and schedule are not published; the defaults here are placeholders.
 - No QK-clip / MuonClip: the report says Muon Split keeps the logits stable without it.
@@ -42,7 +45,7 @@ import math
 import torch
 import torch.nn as nn
 
-from model import MLA, RMSNorm, Router
+from model import MLA, Experts, RMSNorm, Router
 
 try:
     from torch.distributed.tensor import DTensor, distribute_tensor
@@ -90,8 +93,10 @@ def zeropower_via_newtonschulz(G, steps=5, dtype=torch.float32, eps=1e-7):
 
 
 def orthogonalized_update(u, split=None, steps=5, dtype=torch.float32):
-    """u (rows, cols) -> Newton-Schulz of each block, each scaled to RMS 0.2 by its own block shape."""
-    rows, cols = u.shape
+    """u (rows, cols) -> Newton-Schulz of each block, each scaled to RMS 0.2 by its own block shape.
+    u (n, rows, cols), a stack of matrices (model.Experts): the split applies to each matrix of the stack;
+    the blocks of all n matrices go through one batched call."""
+    rows, cols = u.shape[-2:]
     sizes = tuple(split) if split is not None else (rows,)
     per_head = sum(sizes)
     if rows % per_head:
@@ -99,13 +104,13 @@ def orthogonalized_update(u, split=None, steps=5, dtype=torch.float32):
             f"Muon split {sizes} does not tile a matrix of {rows} rows (per-head rows {per_head}); "
             "give the per-head row counts of this projection"
         )
-    blocks = u.view(rows // per_head, per_head, cols).split(sizes, dim=1)  # each (H, s, cols)
+    blocks = u.reshape(-1, per_head, cols).split(sizes, dim=1)  # each (n * H, s, cols)
     # one batched Newton-Schulz call per kind of block (all heads at once), not one per head
     out = [
         zeropower_via_newtonschulz(blk, steps, dtype) * (UPDATE_RMS * math.sqrt(max(s, cols)))
         for blk, s in zip(blocks, sizes)
     ]
-    return torch.cat(out, dim=1).view(rows, cols)
+    return torch.cat(out, dim=1).view(u.shape)
 
 
 # -----------------------------------------------------------------------------
@@ -113,9 +118,9 @@ def orthogonalized_update(u, split=None, steps=5, dtype=torch.float32):
 
 
 class Muon(torch.optim.Optimizer):
-    """Muon for 2-D weight matrices. Group keys: lr, momentum (0.95), nesterov, weight_decay (0.1,
-    decoupled), ns_steps (5), ns_dtype ("float32", stored by name; a torch dtype is accepted), split (None or
-    per-head row counts, see above)."""
+    """Muon for 2-D weight matrices and stacks of them (3-D, one matrix per expert). Group keys: lr,
+    momentum (0.95), nesterov, weight_decay (0.1, decoupled), ns_steps (5), ns_dtype ("float32", stored by
+    name; a torch dtype is accepted), split (None or per-head row counts, see above)."""
 
     def __init__(
         self,
@@ -141,10 +146,10 @@ class Muon(torch.optim.Optimizer):
         super().__init__(params, defaults)
         for group in self.param_groups:
             for p in group["params"]:
-                if p.ndim != 2:
+                if p.ndim not in (2, 3):
                     raise ValueError(
-                        f"Muon got a parameter of shape {tuple(p.shape)}; Muon is for 2-D matrices, "
-                        "put vectors (norms, biases) in AdamW (see param_groups)"
+                        f"Muon got a parameter of shape {tuple(p.shape)}; Muon is for 2-D matrices (or a "
+                        "3-D stack of them), put vectors (norms, biases) in AdamW (see param_groups)"
                     )
 
     @torch.no_grad()
@@ -169,7 +174,11 @@ class Muon(torch.optim.Optimizer):
                 buf = state["momentum_buffer"]
                 buf.mul_(beta).add_(g)
                 u = g.add(buf, alpha=beta) if group["nesterov"] else buf
-                if DTensor is not None and isinstance(u, DTensor):
+                if DTensor is not None and isinstance(u, DTensor) and whole_matrices(u):
+                    w = p.to_local()  # this rank's experts, each matrix whole: no gather needed
+                    w.mul_(1 - lr * wd)
+                    w.add_(orth(u.to_local()).to(w.dtype), alpha=-lr)
+                elif DTensor is not None and isinstance(u, DTensor):
                     _apply_sharded(p, u, orth, lr, wd)
                 else:
                     p.mul_(1 - lr * wd)
@@ -179,6 +188,11 @@ class Muon(torch.optim.Optimizer):
 
 # -----------------------------------------------------------------------------
 # FSDP2 / DTensor: gather, orthogonalise the full matrix, keep the local shard
+
+
+def whole_matrices(u):
+    """A DTensor stack of matrices (n, rows, cols) sharded only along n: every rank holds whole ones."""
+    return u.ndim == 3 and all(pl.is_shard(0) or pl.is_replicate() for pl in u.placements)
 
 
 def _apply_sharded(p, u, orth, lr, wd):
@@ -201,7 +215,9 @@ def param_groups(model, lr_muon=3e-4, lr_adamw=3e-4, weight_decay=0.1, muon_spli
 
     Muon: the 2-D weights of Linear layers inside the decoder blocks and the MTP block (attention,
     indexer wq_b / wk / weights_proj, dense MLPs, experts, shared experts, eh_proj); with muon_split,
-    q_b_proj and kv_b_proj get their per-head split.
+    q_b_proj and kv_b_proj get their per-head split. The stacked routed experts (model.Experts) are Muon
+    too, each expert's gate, up and down matrix orthogonalised on its own (split (F, F) cuts gate_up_proj's
+    rows into gate and up), with or without muon_split: the same update as one parameter per expert.
     AdamW (weight decay): model.embed_tokens, lm_head (a lookup table and a classifier, not linear maps
     between hidden states: the Muon literature keeps them on AdamW), and the MoE router mlp.gate.weight.
     The router is a matrix, but GLM-5 does not say how it was trained *(not published)*; we keep it on
@@ -236,6 +252,18 @@ def param_groups(model, lr_muon=3e-4, lr_adamw=3e-4, weight_decay=0.1, muon_spli
                 add("adamw", name, p, use_muon=False, lr=lr_adamw, weight_decay=weight_decay)
             elif isinstance(mod, (RMSNorm, nn.LayerNorm)) or p.ndim < 2:
                 add("adamw_no_decay", name, p, use_muon=False, lr=lr_adamw, weight_decay=0.0)
+            elif isinstance(mod, Experts) and in_blocks:
+                hidden = mod.down_proj.shape[-1]
+                split = (hidden, hidden) if short == "gate_up_proj" else None  # per expert: gate, up | down
+                add(
+                    ("muon", split),
+                    name,
+                    p,
+                    use_muon=True,
+                    lr=lr_muon,
+                    weight_decay=weight_decay,
+                    split=split,
+                )
             elif isinstance(mod, nn.Linear) and p.ndim == 2 and in_blocks:
                 split = mla_splits.get(id(p)) if muon_split else None
                 add(

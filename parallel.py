@@ -14,11 +14,13 @@ gradient clipping across shards, and checkpoints that gather the shards into one
   ranks; a block's weights exist whole only while it runs. Muon gathers each matrix for Newton-Schulz
   (muon.py). Each rank trains on its own slice of the global batch and FSDP averages the gradients.
 - Expert parallelism (`expert_parallel = True`): each rank owns n_routed_experts / world experts, whole,
-  outside FSDP. After routing, every (token, expert) pair is sent to the owning rank with
-  torch.distributed.all_to_all_single (the counts go first), the owner runs each of its experts once over
-  everything it received, and the results travel back the same way. The owner's expert gradient sums the
-  contributions of every rank's tokens, so it is divided by the world size to equal FSDP's mean.
-  Experts keep their global names (`model.layers.3.mlp.experts.{e}`) so checkpoints do not depend on it.
+  outside FSDP: the layer's stacked expert tensors (model.Experts) become DTensors sharded on the expert
+  dimension. After routing, every (token, expert) pair is sent to the owning rank with
+  torch.distributed.all_to_all_single (the counts go first), the owner runs its experts over everything
+  it received (one grouped GEMM, model.run_experts), and the results travel back the same way. The
+  owner's expert gradient sums the contributions of every rank's tokens, so it is divided by the world
+  size to equal FSDP's mean. The names stay `model.layers.3.mlp.experts.gate_up_proj` (the whole
+  tensor in a checkpoint), so checkpoints do not depend on it.
 - The plan: parameters, bytes per rank for weights, gradients, optimizer states and a rough activation
   estimate, counted on the meta device from a skeleton (the dense layers and one MoE layer, the MoE layer
   multiplied), so the 744B model is planned in about a second.
@@ -53,6 +55,12 @@ import torch.nn as nn
 
 import model
 import muon
+
+try:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+except ImportError:  # a torch built without distributed support: nothing here runs then
+    DeviceMesh = DTensor = Shard = None
 
 GiB = 2**30
 
@@ -214,20 +222,26 @@ def all_to_all(x, out_splits, in_splits, group):
 
 
 class ExpertParallelMoE(model.MoE):
-    """model.MoE with only this rank's experts, in an nn.ModuleDict keyed by their GLOBAL ids, so
-    state_dict names stay `mlp.experts.{e}...`. Routing, the shared expert, the load counts and the
-    balance loss are model.MoE's; only the routed experts' computation crosses ranks."""
+    """model.MoE whose stacked experts (model.Experts) are DTensors sharded on the expert dimension: rank r
+    holds experts [r * n_local, (r + 1) * n_local), whole. The names stay `mlp.experts.gate_up_proj` and
+    `mlp.experts.down_proj`, and torch.distributed.checkpoint gathers the shards into whole tensors, so
+    checkpoints do not depend on it. Routing, the shared expert, the load counts and the balance loss are
+    model.MoE's; only the routed experts' computation crosses ranks."""
 
     def __init__(self, moe, group):
         nn.Module.__init__(self)
         self.cfg, self.group = moe.cfg, group
         self.world, rank = dist.get_world_size(group), dist.get_rank(group)
         self.n_local = moe.cfg.n_routed_experts // self.world
-        self.first = rank * self.n_local  # rank r owns experts [r * n_local, (r + 1) * n_local)
-        self.gate, self.shared_experts = moe.gate, moe.shared_experts
-        self.experts = nn.ModuleDict(
-            {str(self.first + j): moe.experts[self.first + j] for j in range(self.n_local)}
-        )
+        self.first = rank * self.n_local
+        self.gate, self.shared_experts, self.experts = moe.gate, moe.shared_experts, moe.experts
+        dev = moe.experts.down_proj.device.type
+        mesh = DeviceMesh.from_group(group or dist.group.WORLD, dev)
+        for name in ("gate_up_proj", "down_proj"):  # keep this rank's slice of each stacked tensor
+            full = getattr(self.experts, name)
+            mine = full.detach()[self.first : self.first + self.n_local].clone()  # (n_local, ...)
+            local = DTensor.from_local(mine, mesh, [Shard(0)], run_check=False)
+            setattr(self.experts, name, nn.Parameter(local, requires_grad=full.requires_grad))
         self.register_buffer("tokens_per_expert", moe.tokens_per_expert, persistent=False)
 
     def forward(self, x, want_balance=False):
@@ -235,7 +249,7 @@ class ExpertParallelMoE(model.MoE):
         E, k, W, El = self.cfg.n_routed_experts, self.cfg.num_experts_per_tok, self.world, self.n_local
         flat = x.reshape(-1, D)
         ids, w, scores = self.gate(flat)  # (N, k), (N, k), (N, E)
-        counts = torch.bincount(ids.flatten(), minlength=E)  # pairs this rank sends to each expert
+        counts = model.expert_counts(ids, E)  # pairs this rank sends to each expert
         if self.training and torch.is_grad_enabled():
             self.tokens_per_expert += counts  # update_router_bias sums these over ranks
         order = ids.flatten().argsort(stable=True)  # (token, slot) pairs grouped by expert = by owner rank
@@ -247,15 +261,12 @@ class ExpertParallelMoE(model.MoE):
         # 2. tokens to their experts' ranks; they arrive grouped by (source rank, expert)
         sent = flat.index_select(0, order // k)  # (N * k, D)
         got = all_to_all(sent, recv_splits, send_splits, self.group)  # (sum recv, D)
-        # 3. regroup by expert and run each local expert once over everything it received (even nothing:
-        # every rank's optimizer then sees a gradient, as in the single-process model)
+        # 3. regroup by expert and run the local experts over everything they received, as model.MoE
+        # does (an expert that received nothing still gets a zero gradient on every rank)
         expert_of = torch.arange(El, device=x.device).repeat(W).repeat_interleave(recv.flatten())
         perm = expert_of.argsort(stable=True)
-        xs, outs, start = got[perm], [], 0
-        for j, n in enumerate(recv.sum(0).tolist()):
-            outs.append(self.experts[str(self.first + j)](xs[start : start + n]))
-            start += n
-        out = torch.cat(outs)[perm.argsort()]  # back to arrival order
+        gate_up, down = self.experts.gate_up_proj.to_local(), self.experts.down_proj.to_local()
+        out = model.run_experts(got[perm], recv.sum(0), gate_up, down)[perm.argsort()]  # arrival order
         # 4. results back to the tokens' ranks, in the order they were sent
         back = all_to_all(out, send_splits, recv_splits, self.group)  # (N * k, D)
         y = model.combine_experts(back, order, w, flat.dtype)  # (N, D)
@@ -332,8 +343,8 @@ FULL = dict(full_state_dict=True, cpu_offload=True)
 
 def full_state(m, optimizers):
     """-> (model state dict, [optimizer state dicts]), whole tensors on the CPU keyed by parameter name;
-    complete on rank 0 (torch.distributed.checkpoint gathers the FSDP shards; the experts that expert
-    parallelism keeps outside FSDP are gathered here). Every rank must call it."""
+    complete on rank 0 (torch.distributed.checkpoint gathers the FSDP shards and the expert-parallel
+    experts' DTensor shards alike). Every rank must call it."""
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,
@@ -343,44 +354,49 @@ def full_state(m, optimizers):
     opts = StateDictOptions(**FULL)
     msd = get_model_state_dict(m, options=opts)
     osds = [get_optimizer_state_dict(m, o, options=opts) for o in optimizers]
-    if not any(isinstance(x, ExpertParallelMoE) for x in m.modules()):
-        return msd, osds
-    names = {p: n for n, p in m.named_parameters() if ".mlp.experts." in n}  # this rank's experts
-    mine = {
-        "model": {n: p.detach().cpu() for p, n in names.items()},
-        "opt": [
-            {
-                names[p]: {k: v.cpu() if torch.is_tensor(v) else v for k, v in o.state[p].items()}
-                for p in names
-                if p in o.state
-            }
-            for o in optimizers
-        ],
-    }
-    every = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(mine, every, dst=0)
-    if dist.get_rank() == 0:
-        for r in every:
-            msd.update(r["model"])
-            for osd, states in zip(osds, r["opt"]):
-                osd["state"].update(states)
-                # the experts' group (Muon's unsplit matrices) is found by rank 0's own experts
-                group = next(
-                    (g for g in osd["param_groups"] if any(".mlp.experts." in n for n in g["params"])), None
-                )
-                if group is not None:
-                    group["params"] += [n for n in states if n not in group["params"]]
     return msd, osds
+
+
+def stack_expert_states(osd, optimizer):
+    """An optimizer state dict from before the experts were stacked (a ckpt.pt of an older train.py: one
+    entry per expert matrix, `...mlp.experts.{e}.gate_proj.weight`) -> one for model.Experts' stacked
+    parameters: each state tensor stacked as the weights are (gate rows on up rows, expert by expert), and
+    the groups of `optimizer` as they are now (the old groups list parameters that no longer exist; the
+    schedule sets the learning rates again at the next step). Any other state dict comes back as it is."""
+    state = osd["state"]
+    if not any(".mlp.experts." in n and n.endswith("_proj.weight") for n in state):
+        return osd
+    state = dict(state)
+    for g in optimizer.param_groups:
+        for name in g["names"]:
+            if not name.endswith(("experts.gate_up_proj", "experts.down_proj")) or name in state:
+                continue
+            prefix = name.rsplit(".", 1)[0]  # ...mlp.experts
+            parts = ("gate_proj", "up_proj") if name.endswith("gate_up_proj") else ("down_proj",)
+            rows, e = [], 0
+            while f"{prefix}.{e}.{parts[0]}.weight" in state:
+                rows.append([state.pop(f"{prefix}.{e}.{p}.weight") for p in parts])
+                e += 1
+            if rows:  # {key: (E, rows, cols)}, e.g. Muon's momentum_buffer
+                state[name] = {
+                    k: torch.stack([torch.cat([r[k] for r in row]) for row in rows]) for k in rows[0][0]
+                }
+    groups = []
+    for g in optimizer.param_groups:
+        groups.append({k: v for k, v in g.items() if k != "params"} | {"params": list(g["names"])})
+    return {"state": state, "param_groups": groups}
 
 
 def load_optimizer_states(m, optimizers, osds):
     """The optimizer half of full_state's inverse, on every rank after sharding: each rank takes the
     slices of its shards and the states of its own experts (the model's weights are loaded whole, before
-    sharding)."""
+    sharding). A checkpoint from before the experts were stacked is converted first (stack_expert_states),
+    as model.Experts converts its weights."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
     here = {n for n, _ in m.named_parameters()}
     for o, osd in zip(optimizers, osds):
+        osd = stack_expert_states(osd, o)
         groups = [dict(g, params=[n for n in g["params"] if n in here]) for g in osd["param_groups"]]
         state = {n: s for n, s in osd["state"].items() if n in here}
         # strict=False: parameters that never had a gradient (the indexer in pretraining) have no state

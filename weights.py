@@ -8,6 +8,10 @@ describe is the GLM-5 report's section 2 (arXiv 2602.15763).
     model = weights.from_pretrained("path/to/GLM-5", dtype=torch.bfloat16)   # shard by shard
     weights.save_pretrained(model, "out/ckpt")                                # the same format back
 
+The model stacks each layer's routed experts into two tensors (model.Experts); the files keep the released
+one-tensor-per-expert names (`model.layers.{L}.mlp.experts.{e}.gate_proj.weight`, ...), mapped both ways
+by checkpoint_tensors, so a file written here loads in any GLM-5 reader and the release loads here.
+
 A safetensors file is: 8 bytes little-endian u64 = N, then N bytes of JSON header
 {name: {"dtype": "BF16", "shape": [..], "data_offsets": [begin, end]}, "__metadata__": {..}},
 then the raw little-endian tensor bytes, offsets relative to the end of the header.
@@ -34,7 +38,7 @@ import struct
 import numpy as np
 import torch
 
-from model import GLM5, ModelConfig, MoE
+from model import GLM5, ModelConfig, MoE, per_expert_state
 
 # safetensors dtype strings <-> torch dtypes
 DTYPES = {
@@ -319,14 +323,21 @@ def checkpoint_name(name, num_hidden_layers):
     return name
 
 
+def checkpoint_tensors(state_dict, num_hidden_layers):
+    """Our state_dict -> {released name: tensor}: the MTP renaming above, and each layer's stacked experts
+    (model.Experts) as one tensor per expert and projection (model.per_expert_state), views that share
+    the stacked storage, so copying into them on load fills the model."""
+    return {checkpoint_name(n, num_hidden_layers): t for n, t in per_expert_state(state_dict).items()}
+
+
 def save_pretrained(model, directory, dtype=torch.bfloat16, max_shard_bytes=5 * 2**30):
     """Write config.json + sharded safetensors + the index json; the router bias stays fp32."""
     os.makedirs(directory, exist_ok=True)
     L = model.config.num_hidden_layers
     tensors = {}
-    for name, t in model.state_dict().items():
+    for name, t in checkpoint_tensors(model.state_dict(), L).items():
         keep_fp32 = name.endswith("e_score_correction_bias")
-        tensors[checkpoint_name(name, L)] = t.detach().to("cpu", torch.float32 if keep_fp32 else dtype)
+        tensors[name] = t.detach().to("cpu", torch.float32 if keep_fp32 else dtype)
     save_sharded(tensors, directory, max_shard_bytes)
     cfg = config_to_json(model.config)
     cfg["dtype"] = str(dtype).replace("torch.", "")
@@ -374,7 +385,7 @@ def from_pretrained(directory, dtype=None, device="cpu", **overrides):
         model = GLM5(cfg).to(dtype)  # parameters only change dtype; the router bias stays fp32
     model.to_empty(device=device)
     L = cfg.num_hidden_layers
-    expected = {checkpoint_name(n, L): t for n, t in model.state_dict(keep_vars=True).items()}
+    expected = checkpoint_tensors(model.state_dict(keep_vars=True), L)  # released name -> tensor or view
     # the release may repeat the shared embedding/head inside the MTP layer; ours are the same tensors
     redundant = tuple(
         f"model.layers.{L + j}.{s}"

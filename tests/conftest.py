@@ -59,11 +59,20 @@ def tiny_config(**kw):
     return model.ModelConfig(**base)
 
 
+def expert_weight(moe, e, proj):
+    """Expert e's `proj` ("gate_proj", "up_proj" or "down_proj") weight as the checkpoint names it: a view
+    of the MoE's stacked expert tensors."""
+    views = model.per_expert_state({f"experts.{n}": t for n, t in moe.experts.named_parameters()})
+    return views[f"experts.{e}.{proj}.weight"]
+
+
 def randomize(m, seed=None):
-    """Fresh random values for everything a checkpoint could hold, norms and router bias included."""
+    """Fresh random values for everything a checkpoint could hold, norms and router bias included; by
+    released name (each expert's matrices on their own), so a seed gives the same model as it did before
+    the experts were stacked."""
     g = torch.Generator().manual_seed(seed if seed is not None else torch.seed() % 2**31)
     with torch.no_grad():
-        for name, t in m.state_dict().items():
+        for name, t in model.per_expert_state(m.state_dict()).items():
             if t.is_floating_point():
                 if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
                     t.copy_(1 + 0.2 * torch.randn(t.shape, generator=g, dtype=torch.float64))

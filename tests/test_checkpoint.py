@@ -23,6 +23,7 @@ import torch
 
 import model
 import weights
+from conftest import expert_weight
 
 # -----------------------------------------------------------------------------
 # helpers
@@ -396,7 +397,7 @@ def test_files_are_safetensors_with_released_names(tmp_path):
 
     # bytes in the file == the model's tensors, by hand parsing
     checks = {
-        "model.layers.1.mlp.experts.3.down_proj.weight": m.model.layers[1].mlp.experts[3].down_proj.weight,
+        "model.layers.1.mlp.experts.3.down_proj.weight": expert_weight(m.model.layers[1].mlp, 3, "down_proj"),
         "model.layers.1.mlp.gate.e_score_correction_bias": m.model.layers[1].mlp.gate.e_score_correction_bias,
         "model.layers.0.self_attn.indexer.k_norm.bias": m.model.layers[0].self_attn.indexer.k_norm.bias,
         "model.layers.3.eh_proj.weight": m.mtp_layers[0].eh_proj.weight,
@@ -538,9 +539,10 @@ def test_load_public_release_layout(tmp_path):
     same(m.mtp_layers[0].hnorm.weight, f"model.layers.{L}.hnorm.weight")
     same(m.mtp_layers[0].eh_proj.weight, f"model.layers.{L}.eh_proj.weight")
     same(m.mtp_layers[0].shared_head.norm.weight, f"model.layers.{L}.shared_head.norm.weight")
-    same(m.mtp_layers[0].mlp.experts[1].down_proj.weight, f"model.layers.{L}.mlp.experts.1.down_proj.weight")
+    mtp_moe = m.mtp_layers[0].mlp
+    same(expert_weight(mtp_moe, 1, "down_proj"), f"model.layers.{L}.mlp.experts.1.down_proj.weight")
     same(m.mtp_layers[0].self_attn.kv_b_proj.weight, f"model.layers.{L}.self_attn.kv_b_proj.weight")
-    same(m.model.layers[77].mlp.experts[2].up_proj.weight, "model.layers.77.mlp.experts.2.up_proj.weight")
+    same(expert_weight(m.model.layers[77].mlp, 2, "up_proj"), "model.layers.77.mlp.experts.2.up_proj.weight")
     same(
         m.model.layers[40].mlp.shared_experts.gate_proj.weight,
         "model.layers.40.mlp.shared_experts.gate_proj.weight",
@@ -563,9 +565,8 @@ def test_load_public_release_layout(tmp_path):
         w[f"model.layers.{L}.mlp.gate.e_score_correction_bias"],
     )
     # every tensor of the file landed (no parameter left as uninitialised memory)
-    for n, t in m.state_dict().items():
-        src = w[weights.checkpoint_name(n, m.config.num_hidden_layers)]
-        assert torch.equal(t.float(), src.float()), n
+    for n, t in weights.checkpoint_tensors(m.state_dict(), m.config.num_hidden_layers).items():
+        assert torch.equal(t.float(), w[n].float()), n
 
     x = ids(c.vocab_size, T=6, B=1)
     with torch.no_grad():
@@ -578,7 +579,7 @@ def test_load_public_release_layout(tmp_path):
     assert mb.config.dsa_mode == "dense"
     assert (
         mb.lm_head.weight.dtype == torch.bfloat16
-        and mb.model.layers[77].mlp.experts[0].up_proj.weight.dtype == torch.bfloat16
+        and mb.model.layers[77].mlp.experts.gate_up_proj.dtype == torch.bfloat16
     )
     assert torch.equal(
         mb.model.layers[5].self_attn.kv_b_proj.weight, w["model.layers.5.self_attn.kv_b_proj.weight"]
@@ -600,8 +601,8 @@ def test_public_layout_unpadded_header_loads(tmp_path):
                 break
         assert st_read_raw(path)[1] % 2 == 1
     m = weights.from_pretrained(d)
-    for n, t in m.state_dict().items():
-        assert torch.equal(t.float(), w[weights.checkpoint_name(n, m.config.num_hidden_layers)].float()), n
+    for n, t in weights.checkpoint_tensors(m.state_dict(), m.config.num_hidden_layers).items():
+        assert torch.equal(t.float(), w[n].float()), n
 
 
 def test_old_config_with_top_level_rope_theta(tmp_path):

@@ -233,19 +233,26 @@ def test_grouped_expert_kernels(case, N):
     assert rel_err(y, kernels_moe.grouped_down_ref(h.float(), offsets, w_down.float(), row_w)) < tol
 
 
-def test_moe_experts_equals_the_model_moe(case):
+def test_moe_experts_equals_the_model_moe(case, monkeypatch):
+    """kernels_moe.moe_experts and the model's own MoE on its Triton path (no gradients: serving) against
+    the MoE's per-expert loop in fp32."""
     K, dev, dtype, tol = case
     cfg = tiny_config(n_routed_experts=8, num_experts_per_tok=2)
     moe = randomize(model.MoE(cfg)).to(dev, dtype).eval()
     x = randn(2, 9, cfg.hidden_size, dev=dev, dtype=dtype)
     with torch.no_grad():
+        monkeypatch.setattr(model, "EXPERTS_IMPL", "loop")
         ref, _ = moe.float()(x.float())
+        monkeypatch.setattr(model, "EXPERTS_IMPL", "grouped")
         moe.to(dtype)
         flat = x.view(-1, cfg.hidden_size)
         ids, w, _ = moe.gate(flat)
         stacked = kernels_moe.stack_experts(moe)
         got = kernels_moe.moe_experts(flat, ids, w, *stacked) + moe.shared_experts(flat)
+        with poisoned():
+            own, _ = moe(x)  # model.run_experts -> experts_triton
     assert rel_err(got.view_as(ref), ref) < 3 * tol
+    assert rel_err(own, ref) < 3 * tol
 
 
 # -----------------------------------------------------------------------------

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 import model
-from conftest import randomize, tiny_config
+from conftest import expert_weight, randomize, tiny_config
 
 
 def f64_model(**kw):
@@ -31,9 +31,9 @@ def test_full_config_parameter_counts_on_meta():
     attn = sum(p.numel() for k, p in layer.self_attn.named_parameters() if not k.startswith("indexer"))
     assert round(attn / 1e6, 1) == 165.0
     assert round(sum(p.numel() for p in layer.self_attn.indexer.parameters()) / 1e6, 2) == 9.37
-    assert round(sum(p.numel() for p in layer.mlp.experts[0].parameters()) / 1e6, 2) == 37.75
+    assert round(sum(p.numel() for p in layer.mlp.experts.parameters()) / 256 / 1e6, 2) == 37.75  # one expert
     assert round(layer.mlp.gate.weight.numel() / 1e6, 2) == 1.57
-    assert len(layer.mlp.experts) == 256 and isinstance(m.model.layers[2].mlp, model.MLP)
+    assert layer.mlp.experts.gate_up_proj.shape[0] == 256 and isinstance(m.model.layers[2].mlp, model.MLP)
     assert m.config.kv_lora_rank + m.config.qk_rope_head_dim == 576
 
 
@@ -118,7 +118,10 @@ def test_moe_routing_matches_hand_computation():
         chosen = sorted(range(8), key=lambda e: -(s[e] + bias[e]).item())[:2]
         w = torch.stack([s[e] for e in chosen])
         w = w / w.sum() * 2.5
-        ref = moe.shared_experts(xt) + sum(wi * moe.experts[e](xt) for wi, e in zip(w, chosen))
+        ref = moe.shared_experts(xt)
+        for wi, e in zip(w, chosen):
+            gate, up, down = (expert_weight(moe, e, p) for p in ("gate_proj", "up_proj", "down_proj"))
+            ref = ref + wi * down @ (F.silu(gate @ xt) * (up @ xt))
         assert (y[0, t] - ref).abs().max() < 1e-12
 
 
@@ -282,3 +285,97 @@ def test_router_and_indexer_weights_stay_fp32_under_autocast():
     torch.testing.assert_close(
         iw[0], F.linear(x, attn.indexer.weights_proj.weight) * attn.indexer.n_heads**-0.5
     )
+
+
+# -----------------------------------------------------------------------------
+# Stacked experts: the grouped GEMM against the per-expert loop; older per-expert state dicts
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_experts_equal_the_loop_forward_and_gradients(dtype):
+    """One grouped GEMM per projection == each expert on its own rows, outputs and every gradient; idle
+    experts (3 and 6 here get no rows) get a zero gradient, not None."""
+    E, D, Fh = 8, 48, 16
+    gate_up = (0.3 * torch.randn(E, 2 * Fh, D)).to(dtype).requires_grad_()
+    down = (0.3 * torch.randn(E, D, Fh)).to(dtype).requires_grad_()
+    counts = torch.tensor([5, 1, 7, 0, 2, 9, 0, 4])
+    x = torch.randn(int(counts.sum()), D).to(dtype).requires_grad_()
+    g = torch.randn(x.shape[0], D).to(dtype)
+    assert model.grouped_mm_ok(x, gate_up, down)
+    outs, grads = [], []
+    for impl in ("grouped", "loop"):
+        y = model.run_experts(x, counts, gate_up, down, impl)
+        outs.append(y)
+        grads.append(torch.autograd.grad(y, (x, gate_up, down), g))
+    tol = dict(rtol=0, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(outs[0], outs[1], **tol)
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, **tol)
+    assert not grads[0][1][[3, 6]].any() and grads[0][1][[0, 1, 2, 4, 5, 7]].abs().amax((1, 2)).min() > 0
+
+
+def test_moe_grouped_equals_loop_and_needs_no_host_sync(monkeypatch):
+    """The whole MoE layer through both paths, training mode (balance loss, load counts) included; the
+    grouped path never reads a tensor back to Python (tolist, item, int, bool all raise here)."""
+    m = randomize(model.GLM5(tiny_config())).train()
+    moe = m.model.layers[1].mlp
+    x = torch.randn(2, 9, 48, requires_grad=True)
+    res = {}
+    for impl in ("loop", "grouped"):
+        monkeypatch.setattr(model, "EXPERTS_IMPL", impl)
+        if impl == "grouped":
+            for name in ("tolist", "item", "__int__", "__bool__"):
+                monkeypatch.setattr(torch.Tensor, name, lambda *a: pytest.fail("a host sync in the MoE"))
+        y, bal = moe(x, want_balance=True)
+        grads = torch.autograd.grad((y.square().sum() + bal), [x] + list(moe.parameters()))
+        monkeypatch.undo()
+        res[impl] = (y, bal, grads)
+    torch.testing.assert_close(res["grouped"][0], res["loop"][0], rtol=0, atol=1e-5)
+    for a, b in zip(res["grouped"][2], res["loop"][2]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert moe.tokens_per_expert.sum() == 2 * 2 * 18  # both forwards counted their 18 tokens x top-2
+
+
+def test_per_expert_state_dict_of_an_older_checkpoint_loads_stacked():
+    """A ckpt.pt written before the experts were stacked holds mlp.experts.{e}.gate_proj.weight etc.:
+    load_state_dict stacks them (strictly: nothing left over, nothing missing) and the model computes
+    each expert from its own three matrices."""
+    m = randomize(model.GLM5(tiny_config()))
+    old = {}
+    for n, t in m.state_dict().items():
+        if n.endswith("experts.gate_up_proj"):
+            for e in range(t.shape[0]):
+                old[n.replace("gate_up_proj", f"{e}.gate_proj.weight")] = torch.randn(16, 48)
+                old[n.replace("gate_up_proj", f"{e}.up_proj.weight")] = torch.randn(16, 48)
+        elif n.endswith("experts.down_proj"):
+            for e in range(t.shape[0]):
+                old[n.replace("down_proj", f"{e}.down_proj.weight")] = torch.randn(48, 16)
+        else:
+            old[n] = t
+    fresh = model.GLM5(tiny_config())
+    fresh.load_state_dict(old)  # strict
+    mine = [(fresh.model.layers[2].mlp, "model.layers.2"), (fresh.mtp_layers[0].mlp, "mtp_layers.0")]
+    for moe, name in mine:
+        for e in (0, 5, 7):
+            for p in ("gate_proj", "up_proj", "down_proj"):
+                assert torch.equal(expert_weight(moe, e, p), old[f"{name}.mlp.experts.{e}.{p}.weight"])
+    del old["model.layers.1.mlp.experts.3.up_proj.weight"]  # an incomplete old state dict is an error
+    with pytest.raises(RuntimeError, match="gate_up_proj"):
+        model.GLM5(tiny_config()).load_state_dict(old)
+
+
+def test_rms_norm_and_complex_rope_equal_their_references():
+    for dt in (torch.float64, torch.float32, torch.bfloat16):
+        x = torch.randn(2, 7, 3, 20, dtype=dt)[..., 12:].requires_grad_()  # a slice, as q_pe is
+        pos = torch.randint(0, 500, (2, 7))
+        cos, sin = model.rope_cos_sin(pos, 8, 1e4, torch.float64 if dt == torch.float64 else torch.float32)
+        a, b = model.apply_rope(x, cos, sin), model.apply_rope_ref(x, cos, sin)
+        g = torch.randn_like(a)
+        assert a.dtype == dt
+        torch.testing.assert_close(a, b)  # the same products; a complex multiply may fuse them (FMA)
+        torch.testing.assert_close(torch.autograd.grad(a, x, g)[0], torch.autograd.grad(b, x, g)[0])
+        norm = model.RMSNorm(20, 1e-5).to(dt)
+        with torch.no_grad():
+            norm.weight.uniform_(0.5, 1.5)
+        h = 3 * torch.randn(4, 5, 20, dtype=dt)
+        torch.testing.assert_close(norm(h), model.rms_norm_ref(h, norm.weight, 1e-5))

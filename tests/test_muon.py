@@ -161,6 +161,37 @@ def test_two_muon_steps_match_a_hand_computation():
     torch.testing.assert_close(opt.state[p]["momentum_buffer"], beta * g1 + g2)
 
 
+def test_stacked_experts_get_the_update_of_one_parameter_per_expert():
+    """Muon on model.Experts' stacked tensors (E, 2F, D) and (E, D, F) == Muon on each expert's gate, up
+    and down matrix as its own parameter (the layout before stacking), over three steps of momentum."""
+    m = model.GLM5(tiny_config())
+    experts = m.model.layers[1].mlp.experts
+    E, F = experts.down_proj.shape[0], experts.down_proj.shape[-1]
+    where = group_of(muon.param_groups(m))
+    stacked = [experts.gate_up_proj, experts.down_proj]
+    opt = muon.Muon(
+        [{"params": [p], "split": where[f"model.layers.1.mlp.experts.{n}"]["split"]} for p, n in
+         zip(stacked, ("gate_up_proj", "down_proj"))],
+        lr=0.05,
+    )
+    gate, up = experts.gate_up_proj.detach().chunk(2, dim=1)
+    down = experts.down_proj.detach()
+    alone = [torch.nn.Parameter(t[e].clone()) for e in range(E) for t in (gate, up, down)]
+    opt_alone = muon.Muon(alone, lr=0.05)
+    for _ in range(3):
+        g_gu, g_d = torch.randn(E, 2 * F, 48), torch.randn(E, 48, F)
+        experts.gate_up_proj.grad, experts.down_proj.grad = g_gu, g_d
+        for e in range(E):
+            alone[3 * e].grad, alone[3 * e + 1].grad = g_gu[e, :F].clone(), g_gu[e, F:].clone()
+            alone[3 * e + 2].grad = g_d[e].clone()
+        opt.step()
+        opt_alone.step()
+    for e in range(E):
+        torch.testing.assert_close(experts.gate_up_proj.data[e, :F], alone[3 * e].data, rtol=0, atol=1e-6)
+        torch.testing.assert_close(experts.gate_up_proj.data[e, F:], alone[3 * e + 1].data, rtol=0, atol=1e-6)
+        torch.testing.assert_close(experts.down_proj.data[e], alone[3 * e + 2].data, rtol=0, atol=1e-6)
+
+
 def test_muon_refuses_vectors():
     with pytest.raises(ValueError, match="2-D"):
         muon.Muon([torch.nn.Parameter(torch.ones(8))])
@@ -191,6 +222,8 @@ def test_param_groups_cover_every_parameter_once():
         else:
             assert g["use_muon"] and g["weight_decay"] == 0.1, n
             want = {"q_b_proj.weight": (20,), "kv_b_proj.weight": (12, 20)}.get(n.split("self_attn.")[-1])
+            if n.endswith("experts.gate_up_proj"):  # each expert's gate and up, (16, 48) each
+                want = (16, 16)
             assert g["split"] == want, n
     assert where["mtp_layers.0.eh_proj.weight"]["use_muon"]
     assert where["model.layers.1.self_attn.indexer.weights_proj.weight"]["use_muon"]
@@ -289,6 +322,8 @@ def _dtensor_worker(rank, world, init_file, seed):
         mesh = init_device_mesh("cpu", (world,))
         gen = torch.Generator().manual_seed(seed)  # the same tensors on both ranks
         shapes = [((96, 16), (12, 20), Shard(0)), ((7, 10), None, Shard(0)), ((60, 24), (20,), Shard(1))]
+        # stacked experts sharded on the expert dimension: each rank orthogonalises its own, no gather
+        shapes += [((4, 24, 10), (12, 12), Shard(0)), ((4, 10, 12), None, Shard(0))]
         plain, sharded, groups_plain, groups_sharded = [], [], [], []
         for shape, split, placement in shapes:
             w = torch.randn(shape, generator=gen)

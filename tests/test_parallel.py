@@ -23,7 +23,9 @@ sys.path.insert(0, ROOT)
 from test_train import TINY, step_losses  # noqa: E402
 
 import model  # noqa: E402
+import muon  # noqa: E402
 import parallel  # noqa: E402
+from conftest import tiny_config  # noqa: E402
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
 STEPS, MORE = 4, 6  # steps in the first run, and after resuming
@@ -204,8 +206,59 @@ def test_expert_parallel_two_ranks_match_one_process_and_load_without_ep(single,
     assert "expert parallel: 2 of 4 experts per rank" in r.stdout, r.stdout[-3000:]
     assert_same_run(ref, tmp_path)
     names = ckpt(tmp_path)["model"]
-    assert {f"model.layers.1.mlp.experts.{e}.up_proj.weight" for e in range(4)} <= set(names)
-    assert {f"mtp_layers.0.mlp.experts.{e}.down_proj.weight" for e in range(4)} <= set(names)
+    # the stacked experts come back whole (all 4, gathered from both ranks' halves) under their own names
+    assert names["model.layers.1.mlp.experts.gate_up_proj"].shape[0] == 4
+    assert names["mtp_layers.0.mlp.experts.down_proj"].shape[0] == 4
     train(tmp_path, f"--max_iters={MORE}", "--resume=True")  # one process, no EP, continues the EP run
     assert_same_run(ref_more, tmp_path, after_last_resume=True)
     assert json.loads(open(tmp_path / "metrics.jsonl").readline())["world_size"] == 2
+
+
+# -----------------------------------------------------------------------------
+# An older checkpoint (one parameter per expert) resumes with the stacked experts
+
+
+def test_per_expert_optimizer_state_of_an_older_checkpoint_is_stacked_on_resume():
+    """train.py --resume on a ckpt.pt written before the experts were stacked: Muon's per-expert momentum
+    entries (and their old groups) load into the stacked parameters, each expert's rows where its weights
+    went; the other states load as before."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    cfg = tiny_config()
+    m = model.GLM5(cfg)
+    opts = muon.build_optimizers(m)
+    for p in m.parameters():
+        p.grad = torch.randn_like(p)
+    for o in opts:
+        o.step()
+    osds = [get_optimizer_state_dict(m, o, options=StateDictOptions(**parallel.FULL)) for o in opts]
+    old = {"state": {}, "param_groups": []}  # osds[0] as an older train.py wrote it
+    for n, s in osds[0]["state"].items():
+        if n.endswith("experts.gate_up_proj"):
+            gate, up = s["momentum_buffer"].chunk(2, dim=1)
+            for e in range(gate.shape[0]):
+                for proj, t in (("gate_proj", gate[e]), ("up_proj", up[e])):
+                    old["state"][n.replace("gate_up_proj", f"{e}.{proj}.weight")] = {"momentum_buffer": t}
+        elif n.endswith("experts.down_proj"):
+            for e, t in enumerate(s["momentum_buffer"]):
+                old["state"][n.replace("down_proj", f"{e}.down_proj.weight")] = {"momentum_buffer": t}
+        else:
+            old["state"][n] = s
+    for g in osds[0]["param_groups"]:
+        names = [x for x in g["params"] if ".experts." not in x]
+        if g["split"] is None:  # the unsplit Muon group held every expert matrix
+            names += [x for x in old["state"] if ".experts." in x]
+        old["param_groups"].append(dict(g, params=names, names=names))
+    fresh = model.GLM5(cfg)
+    fresh_opts = muon.build_optimizers(fresh)
+    parallel.load_optimizer_states(fresh, fresh_opts, [old, osds[1]])
+    got = [get_optimizer_state_dict(fresh, o, options=StateDictOptions(**parallel.FULL)) for o in fresh_opts]
+    for want, have in zip(osds, got):
+        assert set(want["state"]) == set(have["state"])
+        for n in want["state"]:
+            for k, v in want["state"][n].items():
+                assert torch.equal(have["state"][n][k], v), (n, k)
+    def splits(o):  # the load hands tuples back as lists; Muon reads either
+        return [g["split"] and tuple(g["split"]) for g in o.param_groups]
+
+    assert splits(fresh_opts[0]) == splits(opts[0])

@@ -5,7 +5,7 @@ model (model.py + dsa.py) computes the same logits and MTP loss.
 
 The reference reads a flat {checkpoint name: tensor} dict (names exactly as released; the MTP block
 is `model.layers.{num_hidden_layers}.*`) and uses nothing from the project but its public API
-(ModelConfig, GLM5, forward, weights.checkpoint_name). Every weight is random, norms, LayerNorm bias
+(ModelConfig, GLM5, forward, weights.checkpoint_tensors). Every weight is random, norms, LayerNorm bias
 and the router's e_score_correction_bias included, with a fresh seed per run; the seed is in every
 assert message so a failure can be replayed by setting SEED below.
 
@@ -188,8 +188,10 @@ def build(seed, B=2, T=24, **cfg_kw):
     cfg = tiny_config(**cfg_kw)
     m = model.GLM5(cfg).double().eval()
     g = torch.Generator().manual_seed(seed)
+    L = cfg.num_hidden_layers
+    # by released name: each expert's matrix on its own (views of the model's stacked experts)
     with torch.no_grad():
-        for name, t in m.state_dict().items():  # tensors share storage with the module
+        for name, t in weights.checkpoint_tensors(m.state_dict(), L).items():  # sharing the module's storage
             if name.endswith("e_score_correction_bias"):
                 t.copy_(0.3 * torch.randn(t.shape, generator=g, dtype=F64))
             elif t.dim() == 1 and name.endswith("bias"):  # LayerNorm bias
@@ -200,8 +202,7 @@ def build(seed, B=2, T=24, **cfg_kw):
                 t.copy_(torch.randn(t.shape, generator=g, dtype=F64))
             else:  # Linear (out, in): unit-variance outputs
                 t.copy_(torch.randn(t.shape, generator=g, dtype=F64) * t.shape[1] ** -0.5)
-    L = cfg.num_hidden_layers
-    W = {weights.checkpoint_name(k, L): v.detach().clone() for k, v in m.state_dict().items()}
+    W = {k: v.detach().clone() for k, v in weights.checkpoint_tensors(m.state_dict(), L).items()}
     ids = torch.randint(0, cfg.vocab_size, (B, T + 1), generator=g)
     return m, W, ids
 
