@@ -276,9 +276,9 @@ def copy_bandwidth(dev):
 
 def to_transformers(m):
     """Our GLM5 -> transformers' GlmMoeDsaForCausalLM holding the same weights, or None (with the reason
-    printed) when transformers or its GLM-5 model is absent. Our names are the released ones
-    (weights.py); transformers stacks each layer's experts into gate_up_proj (E, 2I, D) and down_proj
-    (E, D, I), and has no MTP block (the released checkpoint's layer L, which it ignores on load)."""
+    printed) when transformers or its GLM-5 model is absent. Both stack each layer's experts into
+    gate_up_proj (E, 2I, D) and down_proj (E, D, I); transformers has no MTP block (the released
+    checkpoint's layer L, which it ignores on load)."""
     try:
         from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
     except ImportError as e:
@@ -288,14 +288,9 @@ def to_transformers(m):
     ours_only = ("num_mtp_steps", "dsa_mode", "architectures", "model_type")
     d = {k: v for k, v in weights.config_to_json(c).items() if k not in ours_only}
     hf = GlmMoeDsaForCausalLM(GlmMoeDsaConfig(**d))
+    # model.Experts stacks each layer's experts as transformers does (gate rows first in gate_up_proj, as
+    # its chunk(2) reads them): the state dicts share every name but the MTP block's
     sd = {n: t for n, t in m.state_dict().items() if not n.startswith("mtp_layers.")}
-    for i in range(c.first_k_dense_replace, c.num_hidden_layers):
-        p = f"model.layers.{i}.mlp.experts."
-        E = range(c.n_routed_experts)
-        sd[p + "gate_up_proj"] = torch.stack(
-            [torch.cat([sd.pop(f"{p}{e}.gate_proj.weight"), sd.pop(f"{p}{e}.up_proj.weight")]) for e in E]
-        )  # (E, 2I, D): gate rows first, as transformers' chunk(2) reads them
-        sd[p + "down_proj"] = torch.stack([sd.pop(f"{p}{e}.down_proj.weight") for e in E])  # (E, D, I)
     hf.load_state_dict(sd, strict=True)
     p = next(m.parameters())
     hf = hf.to(device=p.device, dtype=p.dtype).eval()
