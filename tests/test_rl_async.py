@@ -476,13 +476,13 @@ class ShortEnv(CoinEnv):
 @pytest.mark.slow
 def test_the_loop_learns_a_reward_the_policy_can_reach(loop, monkeypatch):
     """End to end, async: the held-out reward of the short-reply task rises well past where it starts (here
-    from 0.5 to 0.78-0.91 in 25 steps over several runs; async sampling varies between runs), so the
+    from 0.5 to about 0.9 in 30 steps; async sampling varies between runs), so the
     losses, advantages and pushes point the right way."""
     make, settings = loop
     monkeypatch.setitem(envs.ENVS, "short", ShortEnv)
     urls, servers, m = make(2)
-    cfg = settings | dict(tasks="short:0:1", group_size=8, groups_per_step=4, max_steps=25, max_tokens=16)
-    cfg |= dict(task_concurrency=8, eval_every=25, eval_episodes=32, lr_muon=3e-3, lr_adamw=6e-4)
+    cfg = settings | dict(tasks="short:0:1", group_size=8, groups_per_step=4, max_steps=30, max_tokens=16)
+    cfg |= dict(task_concurrency=8, eval_every=30, eval_episodes=32, lr_muon=3e-3, lr_adamw=6e-4)
     records = rl_async.train(m, m_tok(servers), urls, cfg, log=lambda s: None)
     start = records[0]["heldout_reward"]["short:0"]
     end = records[-1]["heldout_reward"]["short:0"]
