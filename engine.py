@@ -839,13 +839,14 @@ class Engine:
         with self.step_lock:
             self.check_version(version)  # another update may have won the race while this one loaded
             self.model.load_state_dict(new)
-            self.version = version
             self.cache.flush()
             for r in list(self.running):  # a copy: fail() edits self.running
                 try:
                     self.recompute(r)
                 except Exception as e:  # it fails alone; the weights are swapped whole either way
                     self.fail(r, e)
+            # last: whoever sees the new version (/health, a thread polling it) sees the swap complete
+            self.version = version
         return len(self.running)
 
     @torch.no_grad()
