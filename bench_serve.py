@@ -288,7 +288,7 @@ def to_transformers(m):
     ours_only = ("num_mtp_steps", "dsa_mode", "architectures", "model_type")
     d = {k: v for k, v in weights.config_to_json(c).items() if k not in ours_only}
     hf = GlmMoeDsaForCausalLM(GlmMoeDsaConfig(**d))
-    # model.Experts stacks each layer's experts as transformers does (gate rows first in gate_up_proj, as
+    # experts.Experts stacks each layer's experts as transformers does (gate rows first in gate_up_proj, as
     # its chunk(2) reads them): the state dicts share every name but the MTP block's
     sd = {n: t for n, t in m.state_dict().items() if not n.startswith("mtp_layers.")}
     hf.load_state_dict(sd, strict=True)

@@ -6,7 +6,7 @@ MTP and the balance loss, gradient clipping, Muon + AdamW step, router bias upda
 untimed ones.
 
 The MoE experts run both ways in the same run (--experts=both, the default): the per-expert loop
-(model.experts_loop, the reference) and the grouped GEMM (model.experts_grouped, the model's path), two
+(experts.experts_loop, the reference) and the grouped GEMM (experts.experts_grouped, the model's path), two
 models with the same weights stepped in alternation, so both see the same machine load; the table's row is
 the grouped path's and the line under it gives both step times and their ratio.
 
@@ -52,6 +52,7 @@ from contextlib import nullcontext
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+import experts
 import model
 import muon
 from train import measure_peak_flops, pick_device, sync  # one definition of device, sync and peak
@@ -244,7 +245,7 @@ def time_steps(cfg, B, T, args, dev, dtype):
 
     def step(impl):
         m, opts = runs[impl]
-        model.EXPERTS_IMPL = impl  # the module's switch, read by every MoE layer
+        experts.EXPERTS_IMPL = impl  # the module's switch, read by every MoE layer
         forward_backward(m)
         torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
         for o in opts:
@@ -273,11 +274,11 @@ def time_steps(cfg, B, T, args, dev, dtype):
 
     # the counter does not count grouped GEMMs: count a step of the loop, the same FLOPs
     m, opts = runs[impls[-1]]
-    model.EXPERTS_IMPL = "loop"
+    experts.EXPERTS_IMPL = "loop"
     fc = FlopCounterMode(display=False)
     with fc:
         forward_backward(m)
-    model.EXPERTS_IMPL = "grouped"
+    experts.EXPERTS_IMPL = "grouped"
     for o in opts:
         o.zero_grad(set_to_none=True)
     counted = fc.get_total_flops()

@@ -10,7 +10,7 @@ INT8 per-token activations):
 
 The switch (NANOGLM_KERNELS, kernels.use_triton) and Triton itself (or the stand-ins that let these
 definitions parse without it) come from kernels.py, which sets Triton's interpreter flag before any kernel
-is defined. The grouped SwiGLU pair is model.run_experts' path on a GPU when no gradient is needed (serving);
+is defined. The grouped SwiGLU pair is experts.run_experts' path on a GPU when no gradient is needed (serving);
 training takes torch's grouped GEMM, which has a backward. Each launcher dispatches itself, to the `*_ref`
 beside it off the GPU.
 
@@ -135,7 +135,7 @@ def grouped_matmul(x, offsets, w1, w2, row_weight, swiglu, block_m=64, block_n=6
     E, N_out = w1.shape[0], w1.shape[1]
     x = x.contiguous()
     # the kernel wants unit stride along K and one stride layout for both weights; the gate and up halves
-    # of model.Experts.gate_up_proj are such views already (no copy of the experts' weights per call)
+    # of experts.Experts.gate_up_proj are such views already (no copy of the experts' weights per call)
     if w1.stride(-1) != 1 or w2.stride() != w1.stride():
         w1, w2 = w1.contiguous(), w2.contiguous()
     y = torch.empty(N, N_out, device=x.device, dtype=x.dtype)

@@ -13,9 +13,9 @@ config.json), in one file:
   indexer KL of the dense warm-up and the sparse stage, built once from the attention that ran.
 - MoE (DeepSeek-V3 report, section 2.1.2): fp32 sigmoid router, e_score_correction_bias for selection
   only, normalised top-k weights x routed_scaling_factor, one shared expert; the routed experts stacked
-  per layer and run as one grouped GEMM per projection over the tokens routed to them (the per-expert
-  loop kept as the reference, EXPERTS_IMPL); the aux-loss-free bias update and the sequence-level
-  balance loss as functions training calls.
+  per layer and run as one grouped GEMM per projection over the tokens routed to them (the router, the
+  experts and their paths are experts.py's); the aux-loss-free bias update here, the sequence-level
+  balance loss there, as functions training calls.
 - MTP (GLM-5 report, section 2): enorm/hnorm/eh_proj -> a full decoder layer -> shared_head.norm ->
   the shared lm_head, one block applied num_mtp_steps times.
 - Incremental decoding over a cache holding only [c_kv | k_pe] (512 + 64 values) and the 128-d
@@ -48,8 +48,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import dsa
-import kernels
-import kernels_moe
+import experts
 from dsa import upcast
 
 # -----------------------------------------------------------------------------
@@ -383,7 +382,7 @@ class MLA(nn.Module):
 
 
 # -----------------------------------------------------------------------------
-# Feed-forward: dense SwiGLU and the sigmoid-routed MoE
+# Feed-forward: dense SwiGLU and the sigmoid-routed MoE (its router and routed experts: experts.py)
 
 
 class MLP(nn.Module):  # SwiGLU: the dense layers and the shared expert
@@ -397,188 +396,12 @@ class MLP(nn.Module):  # SwiGLU: the dense layers and the shared expert
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class Router(nn.Module):
-    """Checkpoint name `mlp.gate`: weight (E, D) and the fp32 e_score_correction_bias (E,)."""
-
-    def __init__(self, cfg):
-        super().__init__()
-        self.cfg = cfg
-        self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size))
-        # moved by update_router_bias, never by gradients; used for choosing experts, not for weighting
-        self.register_buffer(
-            "e_score_correction_bias", torch.zeros(cfg.n_routed_experts, dtype=torch.float32)
-        )
-
-    def _apply(self, fn, recurse=True):
-        # the correction bias stays fp32 whatever the model is cast to: its 1e-3 steps vanish in bf16
-        before = self.e_score_correction_bias
-        super()._apply(fn, recurse)
-        after = self.e_score_correction_bias
-        if after.dtype not in (torch.float32, torch.float64):  # put the exact fp32 values back, moved only
-            self.e_score_correction_bias = before.to(device=after.device, dtype=torch.float32)
-        return self
-
-    def forward(self, x):
-        """x (N, D) -> expert ids (N, k), weights (N, k) and scores (N, E), both in fp32 or wider."""
-        c = self.cfg
-        scores = dsa.linear_fp32(
-            x, self.weight
-        ).sigmoid()  # fp32 router, under autocast too (fp64 in fp64 tests)
-        dt = scores.dtype
-        ids = torch.topk(scores + self.e_score_correction_bias.to(dt), c.num_experts_per_tok, dim=-1).indices
-        w = scores.gather(-1, ids)  # the bias picks the experts but does not weight them
-        if c.norm_topk_prob:
-            w = w / (w.sum(-1, keepdim=True) + 1e-20)
-        return ids, w * c.routed_scaling_factor, scores
-
-
-# The routed experts of a layer are stacked, as one tensor each (the layout grouped GEMMs want):
-#   gate_up_proj (E, 2F, D): expert e's gate_proj.weight (F, D) on top of its up_proj.weight (F, D)
-#   down_proj    (E, D, F):  expert e's down_proj.weight
-# The released checkpoint keeps one SwiGLU per expert (mlp.experts.{e}.gate_proj.weight, ...):
-# per_expert_state names the per-expert views of a stacked tensor (weights.py reads and writes
-# safetensors through them) and Experts._load_from_state_dict stacks a per-expert state dict (an older
-# ckpt.pt) on load.
-EXPERTS_IMPL = "grouped"  # "grouped": one grouped GEMM per projection; "loop": one expert at a time
-
-
-def per_expert_state(state_dict):
-    """A state dict -> the same tensors by released name: each stacked expert tensor becomes per-expert
-    views (`...experts.gate_up_proj` (E, 2F, D) and `...experts.down_proj` (E, D, F) -> for e = 0, 1, ...:
-    `...experts.{e}.gate_proj.weight` (F, D), `.up_proj.weight` (F, D), `.down_proj.weight` (D, F), the
-    order one module per expert had); every other entry as it is. The views share the stacked storage:
-    copying into them writes the model."""
-    out = {}
-    for name, t in state_dict.items():
-        if name.endswith("experts.down_proj"):
-            continue  # placed beside gate_up_proj, expert by expert
-        if not name.endswith("experts.gate_up_proj"):
-            out[name] = t
-            continue
-        prefix = name[: -len("gate_up_proj")]
-        gate, up = t.chunk(2, dim=1)  # (E, F, D) each
-        down = state_dict[prefix + "down_proj"]  # (E, D, F)
-        for e in range(t.shape[0]):
-            out[f"{prefix}{e}.gate_proj.weight"] = gate[e]
-            out[f"{prefix}{e}.up_proj.weight"] = up[e]
-            out[f"{prefix}{e}.down_proj.weight"] = down[e]
-    return out
-
-
-class Experts(nn.Module):
-    """The n routed experts of one MoE layer, stacked (see above). forward(x, counts): x (rows, D) sorted
-    by expert, counts (n,) rows per expert -> (rows, D), row r through its own expert's SwiGLU."""
-
-    def __init__(self, n, dim, hidden):
-        super().__init__()
-        self.gate_up_proj = nn.Parameter(torch.empty(n, 2 * hidden, dim))
-        self.down_proj = nn.Parameter(torch.empty(n, dim, hidden))
-
-    def init_weights(self, std):
-        # expert by expert, gate then up then down: the same draws as one nn.Linear per expert, in order
-        gate, up = self.gate_up_proj.detach().chunk(2, dim=1)
-        for e in range(self.down_proj.shape[0]):
-            for w in (gate[e], up[e], self.down_proj.detach()[e]):
-                nn.init.normal_(w, std=std)
-
-    def forward(self, x, counts, impl=None):
-        return run_experts(x, counts, self.gate_up_proj, self.down_proj, impl)
-
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        # a state dict from before the experts were stacked (a ckpt.pt of an older train.py) holds
-        # {prefix}{e}.gate_proj.weight, ...: stack them into this module's two tensors, then load as usual
-        n = self.down_proj.shape[0]
-        old = [f"{prefix}{e}.{p}.weight" for e in range(n) for p in ("gate_proj", "up_proj", "down_proj")]
-        if f"{prefix}gate_up_proj" not in state_dict and all(k in state_dict for k in old):
-            gate_up, down = [], []
-            for e in range(n):
-                g = state_dict.pop(f"{prefix}{e}.gate_proj.weight")
-                u = state_dict.pop(f"{prefix}{e}.up_proj.weight")
-                gate_up.append(torch.cat([g, u], dim=0))  # (2F, D)
-                down.append(state_dict.pop(f"{prefix}{e}.down_proj.weight"))  # (D, F)
-            state_dict[f"{prefix}gate_up_proj"] = torch.stack(gate_up)  # (n, 2F, D)
-            state_dict[f"{prefix}down_proj"] = torch.stack(down)  # (n, D, F)
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-
-
-def experts_loop(x, counts, gate_up, down):
-    """The reference: each expert once over its rows, one after the other. The split sizes cost a host
-    sync (counts.tolist()). An expert with no rows still runs, on an empty batch, so its gradient is zeros
-    and not None: FSDP2 ranks must agree on which gradients exist."""
-    outs = []
-    for e, x_e in enumerate(x.split(counts.tolist())):
-        g, u = F.linear(x_e, gate_up[e]).chunk(2, dim=-1)  # (n_e, F) each
-        outs.append(F.linear(F.silu(g) * u, down[e]))  # (n_e, D)
-    return torch.cat(outs)
-
-
-def grouped_mm_ok(x, gate_up, down):
-    """torch's grouped GEMM (F.grouped_mm) takes fp32/bf16/fp16 on a CPU and bf16 on a GPU (sm80 or newer),
-    with every row stride a multiple of 16 bytes (its backward too); otherwise the loop runs (fp64 tests,
-    odd sizes)."""
-    if not hasattr(F, "grouped_mm"):
-        return False
-    if x.device.type == "cuda" and torch.cuda.get_device_capability(x.device) < (8, 0):
-        return False
-    dtypes = (torch.bfloat16,) if x.device.type == "cuda" else (torch.float32, torch.bfloat16, torch.float16)
-    size = x.element_size()
-    return x.dtype in dtypes and all((n * size) % 16 == 0 for n in (x.shape[-1], down.shape[-1]))
-
-
-def experts_grouped(x, counts, gate_up, down):
-    """Every expert in one grouped GEMM per projection: expert e's rows end at offs[e], a cumulative sum
-    computed on the device, so nothing waits for the host. The gradient reaches every expert (zeros where
-    an expert had no rows), as in the loop."""
-    offs = counts.cumsum(0).to(torch.int32)  # (E,) end of each expert's rows
-    h = F.grouped_mm(x, gate_up.transpose(-2, -1), offs=offs)  # (rows, 2F)
-    g, u = h.chunk(2, dim=-1)
-    return F.grouped_mm(F.silu(g) * u, down.transpose(-2, -1), offs=offs)  # (rows, D)
-
-
-def experts_triton(x, counts, gate_up, down):
-    """kernels_moe's grouped SwiGLU and down projection (one launch each, empty experts free); forward
-    only, so a GPU uses it when no gradient is needed (serving, sampling)."""
-    offsets = F.pad(counts.cumsum(0), (1, 0))  # (E + 1,)
-    w_gate, w_up = gate_up.chunk(2, dim=1)  # (E, F, D) views, no copy
-    h = kernels_moe.grouped_swiglu(x, offsets, w_gate, w_up)  # (rows, F)
-    ones = torch.ones(x.shape[0], device=x.device)  # the routing weights are applied by combine_experts
-    return kernels_moe.grouped_down(h, offsets, down, ones)
-
-
-def run_experts(x, counts, gate_up, down, impl=None):
-    """The one dispatch: x (rows, D) sorted by expert, counts (E,) -> (rows, D). impl None reads
-    EXPERTS_IMPL; "grouped" runs Triton on a GPU without gradients, torch's grouped GEMM where it can
-    (under autocast in the autocast dtype, as nn.Linear would) and the loop otherwise."""
-    impl = impl or EXPERTS_IMPL
-    if impl not in ("grouped", "loop"):
-        raise ValueError(f"experts impl must be 'grouped' or 'loop', got {impl!r}")
-    if impl == "loop":
-        return experts_loop(x, counts, gate_up, down)
-    needs_grad = torch.is_grad_enabled() and (x.requires_grad or gate_up.requires_grad)
-    if kernels.use_triton(x) and not needs_grad:
-        return experts_triton(x, counts, gate_up, down)
-    dev = x.device.type
-    if torch.is_autocast_enabled(dev):
-        dt = torch.get_autocast_dtype(dev)
-        x, gate_up, down = x.to(dt), gate_up.to(dt), down.to(dt)
-    if grouped_mm_ok(x, gate_up, down):
-        return experts_grouped(x, counts, gate_up, down)
-    return experts_loop(x, counts, gate_up, down)
-
-
-def expert_counts(ids, E):
-    """ids (N, k) -> rows per expert (E,), long. A scatter-add, not torch.bincount: on a GPU bincount
-    reads the largest id back to the host first."""
-    flat = ids.flatten()
-    return torch.zeros(E, dtype=torch.long, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))
-
-
 class MoE(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         self.cfg = cfg
-        self.gate = Router(cfg)
-        self.experts = Experts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        self.gate = experts.Router(cfg)
+        self.experts = experts.Experts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size)
         self.shared_experts = MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
         # tokens routed to each expert since the last bias update (the load statistics)
         self.register_buffer(
@@ -591,37 +414,17 @@ class MoE(nn.Module):
         E, k = self.cfg.n_routed_experts, self.cfg.num_experts_per_tok
         flat = x.reshape(-1, D)
         ids, w, scores = self.gate(flat)  # (N, k), (N, k), (N, E)
-        counts = expert_counts(ids, E)  # (E,)
+        counts = experts.expert_counts(ids, E)  # (E,)
         if self.training and torch.is_grad_enabled():  # training steps only, not sampling mid-training
             self.tokens_per_expert += counts
         # group the (token, slot) pairs by expert, then run every expert over its tokens
         order = ids.flatten().argsort(stable=True)  # (N * k,) pair indices, expert-major
         xs = flat.index_select(0, order // k)  # (N * k, D) the tokens, grouped by expert
-        y = combine_experts(self.experts(xs, counts), order, w, flat.dtype)  # (N, D)
-        balance = sequence_balance_loss(scores.view(B, T, E), ids.view(B, T, k), E) if want_balance else None
+        y = experts.combine_experts(self.experts(xs, counts), order, w, flat.dtype)  # (N, D)
+        balance = None
+        if want_balance:
+            balance = experts.sequence_balance_loss(scores.view(B, T, E), ids.view(B, T, k), E)
         return (y + self.shared_experts(flat)).view(B, T, D), balance
-
-
-def combine_experts(out_sorted, order, w, dtype):
-    """out_sorted (N * k, D) expert outputs of the (token, slot) pairs in expert order `order`, w (N, k) fp32
-    -> y (N, D) = sum over slots of w * out, in fp32, returned in `dtype` (the residual stream's). One
-    index_copy back to (token, slot) order and a sum over the k slots: no scatter-add (slow on CPUs)."""
-    N, k = w.shape
-    slots = torch.zeros_like(out_sorted).index_copy(0, order, out_sorted)  # (N * k, D), (token, slot) order
-    return (slots.view(N, k, -1) * w[..., None]).sum(1).to(dtype)
-
-
-def sequence_balance_loss(scores, ids, E):
-    """DeepSeek-V3's sequence-wise balance loss sum_i f_i * P_i, averaged over sequences.
-    f_i = E / (k T) * (tokens of the sequence sent to expert i); P_i = mean over the sequence of the
-    scores normalised over experts. Equals 1 when perfectly balanced. scores (B, T, E), ids (B, T, k)."""
-    B, T, k = ids.shape
-    f = torch.zeros(B, E, device=ids.device).scatter_add_(
-        1, ids.view(B, -1), torch.ones(B, T * k, device=ids.device)
-    )
-    f = f * E / (k * T)
-    P = (scores / scores.sum(-1, keepdim=True)).mean(dim=1)
-    return (f * P).sum(-1).mean()
 
 
 @torch.no_grad()
@@ -763,9 +566,9 @@ class GLM5(nn.Module):
             return
         std = self.config.initializer_range
         for m in self.modules():
-            if isinstance(m, (nn.Linear, nn.Embedding, Router)):
+            if isinstance(m, (nn.Linear, nn.Embedding, experts.Router)):
                 nn.init.normal_(m.weight, std=std)
-            elif isinstance(m, Experts):
+            elif isinstance(m, experts.Experts):
                 m.init_weights(std)
             elif isinstance(m, (RMSNorm, nn.LayerNorm)):
                 nn.init.ones_(m.weight)

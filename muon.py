@@ -27,7 +27,7 @@ Honest limits:
 - Newton-Schulz runs in fp32 by default (`ns_dtype`), which is right on a CPU; on a GPU people run it in
   bf16 (about twice as fast, the iteration tolerates it). Pass ns_dtype=torch.bfloat16 there.
 - One Newton-Schulz call per parameter (a batch of blocks under Muon Split). A layer's routed experts are
-  stacked (model.Experts), so its 256 experts' gate, up and down matrices are three batched calls, each
+  stacked (experts.Experts), so its 256 experts' gate, up and down matrices are three batched calls, each
   expert's matrix orthogonalised on its own, exactly as if each were a separate parameter.
 - FSDP2 / DTensor: every rank all-gathers the full momentum-updated matrix, runs the full Newton-Schulz
   itself, and keeps only its own shard of the result. Correct, but the work is repeated on every rank and
@@ -45,7 +45,8 @@ import math
 import torch
 import torch.nn as nn
 
-from model import MLA, Experts, RMSNorm, Router
+from experts import Experts, Router
+from model import MLA, RMSNorm
 
 try:
     from torch.distributed.tensor import DTensor, distribute_tensor
@@ -94,7 +95,7 @@ def zeropower_via_newtonschulz(G, steps=5, dtype=torch.float32, eps=1e-7):
 
 def orthogonalized_update(u, split=None, steps=5, dtype=torch.float32):
     """u (rows, cols) -> Newton-Schulz of each block, each scaled to RMS 0.2 by its own block shape.
-    u (n, rows, cols), a stack of matrices (model.Experts): the split applies to each matrix of the stack;
+    u (n, rows, cols), a stack of matrices (experts.Experts): the split applies to each matrix of the stack;
     the blocks of all n matrices go through one batched call."""
     rows, cols = u.shape[-2:]
     sizes = tuple(split) if split is not None else (rows,)
@@ -215,7 +216,7 @@ def param_groups(model, lr_muon=3e-4, lr_adamw=3e-4, weight_decay=0.1, muon_spli
 
     Muon: the 2-D weights of Linear layers inside the decoder blocks and the MTP block (attention,
     indexer wq_b / wk / weights_proj, dense MLPs, experts, shared experts, eh_proj); with muon_split,
-    q_b_proj and kv_b_proj get their per-head split. The stacked routed experts (model.Experts) are Muon
+    q_b_proj and kv_b_proj get their per-head split. The stacked routed experts (experts.Experts) are Muon
     too, each expert's gate, up and down matrix orthogonalised on its own (split (F, F) cuts gate_up_proj's
     rows into gate and up), with or without muon_split: the same update as one parameter per expert.
     AdamW (weight decay): model.embed_tokens, lm_head (a lookup table and a classifier, not linear maps

@@ -14,10 +14,10 @@ gradient clipping across shards, and checkpoints that gather the shards into one
   ranks; a block's weights exist whole only while it runs. Muon gathers each matrix for Newton-Schulz
   (muon.py). Each rank trains on its own slice of the global batch and FSDP averages the gradients.
 - Expert parallelism (`expert_parallel = True`): each rank owns n_routed_experts / world experts, whole,
-  outside FSDP: the layer's stacked expert tensors (model.Experts) become DTensors sharded on the expert
+  outside FSDP: the layer's stacked expert tensors (experts.Experts) become DTensors sharded on the expert
   dimension. After routing, every (token, expert) pair is sent to the owning rank with
   torch.distributed.all_to_all_single (the counts go first), the owner runs its experts over everything
-  it received (one grouped GEMM, model.run_experts), and the results travel back the same way. The
+  it received (one grouped GEMM, experts.run_experts), and the results travel back the same way. The
   owner's expert gradient sums the contributions of every rank's tokens, so it is divided by the world
   size to equal FSDP's mean. The names stay `model.layers.3.mlp.experts.gate_up_proj` (the whole
   tensor in a checkpoint), so checkpoints do not depend on it.
@@ -53,6 +53,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+import experts
 import model
 import muon
 
@@ -222,7 +223,7 @@ def all_to_all(x, out_splits, in_splits, group):
 
 
 class ExpertParallelMoE(model.MoE):
-    """model.MoE whose stacked experts (model.Experts) are DTensors sharded on the expert dimension: rank r
+    """model.MoE whose stacked experts (experts.Experts) are DTensors sharded on the expert dimension: rank r
     holds experts [r * n_local, (r + 1) * n_local), whole. The names stay `mlp.experts.gate_up_proj` and
     `mlp.experts.down_proj`, and torch.distributed.checkpoint gathers the shards into whole tensors, so
     checkpoints do not depend on it. Routing, the shared expert, the load counts and the balance loss are
@@ -249,7 +250,7 @@ class ExpertParallelMoE(model.MoE):
         E, k, W, El = self.cfg.n_routed_experts, self.cfg.num_experts_per_tok, self.world, self.n_local
         flat = x.reshape(-1, D)
         ids, w, scores = self.gate(flat)  # (N, k), (N, k), (N, E)
-        counts = model.expert_counts(ids, E)  # pairs this rank sends to each expert
+        counts = experts.expert_counts(ids, E)  # pairs this rank sends to each expert
         if self.training and torch.is_grad_enabled():
             self.tokens_per_expert += counts  # update_router_bias sums these over ranks
         order = ids.flatten().argsort(stable=True)  # (token, slot) pairs grouped by expert = by owner rank
@@ -266,12 +267,14 @@ class ExpertParallelMoE(model.MoE):
         expert_of = torch.arange(El, device=x.device).repeat(W).repeat_interleave(recv.flatten())
         perm = expert_of.argsort(stable=True)
         gate_up, down = self.experts.gate_up_proj.to_local(), self.experts.down_proj.to_local()
-        out = model.run_experts(got[perm], recv.sum(0), gate_up, down)[perm.argsort()]  # arrival order
+        out = experts.run_experts(got[perm], recv.sum(0), gate_up, down)[perm.argsort()]  # arrival order
         # 4. results back to the tokens' ranks, in the order they were sent
         back = all_to_all(out, send_splits, recv_splits, self.group)  # (N * k, D)
-        y = model.combine_experts(back, order, w, flat.dtype)  # (N, D)
+        y = experts.combine_experts(back, order, w, flat.dtype)  # (N, D)
         balance = (
-            model.sequence_balance_loss(scores.view(B, T, E), ids.view(B, T, k), E) if want_balance else None
+            experts.sequence_balance_loss(scores.view(B, T, E), ids.view(B, T, k), E)
+            if want_balance
+            else None
         )
         return (y + self.shared_experts(flat)).view(B, T, D), balance
 
@@ -359,7 +362,7 @@ def full_state(m, optimizers):
 
 def stack_expert_states(osd, optimizer):
     """An optimizer state dict from before the experts were stacked (a ckpt.pt of an older train.py: one
-    entry per expert matrix, `...mlp.experts.{e}.gate_proj.weight`) -> one for model.Experts' stacked
+    entry per expert matrix, `...mlp.experts.{e}.gate_proj.weight`) -> one for experts.Experts' stacked
     parameters: each state tensor stacked as the weights are (gate rows on up rows, expert by expert), and
     the groups of `optimizer` as they are now (the old groups list parameters that no longer exist; the
     schedule sets the learning rates again at the next step). Any other state dict comes back as it is."""
@@ -391,7 +394,7 @@ def load_optimizer_states(m, optimizers, osds):
     """The optimizer half of full_state's inverse, on every rank after sharding: each rank takes the
     slices of its shards and the states of its own experts (the model's weights are loaded whole, before
     sharding). A checkpoint from before the experts were stacked is converted first (stack_expert_states),
-    as model.Experts converts its weights."""
+    as experts.Experts converts its weights."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
     here = {n for n, _ in m.named_parameters()}

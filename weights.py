@@ -8,7 +8,7 @@ describe is the GLM-5 report's section 2 (arXiv 2602.15763).
     model = weights.from_pretrained("path/to/GLM-5", dtype=torch.bfloat16)   # shard by shard
     weights.save_pretrained(model, "out/ckpt")                                # the same format back
 
-The model stacks each layer's routed experts into two tensors (model.Experts); the files keep the released
+The model stacks each layer's routed experts into two tensors (experts.Experts); the files keep the released
 one-tensor-per-expert names (`model.layers.{L}.mlp.experts.{e}.gate_proj.weight`, ...), mapped both ways
 by checkpoint_tensors, so a file written here loads in any GLM-5 reader and the release loads here.
 
@@ -38,7 +38,8 @@ import struct
 import numpy as np
 import torch
 
-from model import GLM5, ModelConfig, MoE, per_expert_state
+from experts import per_expert_state
+from model import GLM5, ModelConfig, MoE
 
 # safetensors dtype strings <-> torch dtypes
 DTYPES = {
@@ -325,7 +326,7 @@ def checkpoint_name(name, num_hidden_layers):
 
 def checkpoint_tensors(state_dict, num_hidden_layers):
     """Our state_dict -> {released name: tensor}: the MTP renaming above, and each layer's stacked experts
-    (model.Experts) as one tensor per expert and projection (model.per_expert_state), views that share
+    (experts.Experts) as one tensor per expert and projection (experts.per_expert_state), views that share
     the stacked storage, so copying into them on load fills the model."""
     return {checkpoint_name(n, num_hidden_layers): t for n, t in per_expert_state(state_dict).items()}
 

@@ -9,6 +9,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
+import experts  # noqa: E402
 import model  # noqa: E402
 
 
@@ -62,7 +63,7 @@ def tiny_config(**kw):
 def expert_weight(moe, e, proj):
     """Expert e's `proj` ("gate_proj", "up_proj" or "down_proj") weight as the checkpoint names it: a view
     of the MoE's stacked expert tensors."""
-    views = model.per_expert_state({f"experts.{n}": t for n, t in moe.experts.named_parameters()})
+    views = experts.per_expert_state({f"experts.{n}": t for n, t in moe.experts.named_parameters()})
     return views[f"experts.{e}.{proj}.weight"]
 
 
@@ -72,7 +73,7 @@ def randomize(m, seed=None):
     the experts were stacked."""
     g = torch.Generator().manual_seed(seed if seed is not None else torch.seed() % 2**31)
     with torch.no_grad():
-        for name, t in model.per_expert_state(m.state_dict()).items():
+        for name, t in experts.per_expert_state(m.state_dict()).items():
             if t.is_floating_point():
                 if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
                     t.copy_(1 + 0.2 * torch.randn(t.shape, generator=g, dtype=torch.float64))

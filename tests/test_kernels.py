@@ -23,6 +23,7 @@ import torch
 
 import dsa
 import kernels
+import experts
 import kernels_moe
 import model
 from conftest import randomize, tiny_config
@@ -241,16 +242,16 @@ def test_moe_experts_equals_the_model_moe(case, monkeypatch):
     moe = randomize(model.MoE(cfg)).to(dev, dtype).eval()
     x = randn(2, 9, cfg.hidden_size, dev=dev, dtype=dtype)
     with torch.no_grad():
-        monkeypatch.setattr(model, "EXPERTS_IMPL", "loop")
+        monkeypatch.setattr(experts, "EXPERTS_IMPL", "loop")
         ref, _ = moe.float()(x.float())
-        monkeypatch.setattr(model, "EXPERTS_IMPL", "grouped")
+        monkeypatch.setattr(experts, "EXPERTS_IMPL", "grouped")
         moe.to(dtype)
         flat = x.view(-1, cfg.hidden_size)
         ids, w, _ = moe.gate(flat)
         stacked = kernels_moe.stack_experts(moe)
         got = kernels_moe.moe_experts(flat, ids, w, *stacked) + moe.shared_experts(flat)
         with poisoned():
-            own, _ = moe(x)  # model.run_experts -> experts_triton
+            own, _ = moe(x)  # experts.run_experts -> experts_triton
     assert rel_err(got.view_as(ref), ref) < 3 * tol
     assert rel_err(own, ref) < 3 * tol
 

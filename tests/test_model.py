@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import experts
 import model
 from conftest import expert_weight, randomize, tiny_config
 
@@ -173,9 +174,9 @@ def test_sequence_balance_loss():
     uniform = torch.full((1, T, E), 0.5)
     balanced = torch.tensor([[0, 1], [2, 3]] * (T // 2)).view(1, T, k)
     skewed = torch.tensor([[0, 1]] * T).view(1, T, k)
-    assert abs(model.sequence_balance_loss(uniform, balanced, E).item() - 1.0) < 1e-6
+    assert abs(experts.sequence_balance_loss(uniform, balanced, E).item() - 1.0) < 1e-6
     peaked = torch.tensor([0.9, 0.9, 0.1, 0.1]).expand(1, T, E)
-    assert model.sequence_balance_loss(peaked, skewed, E) > 1.5
+    assert experts.sequence_balance_loss(peaked, skewed, E) > 1.5
     # differentiable through the scores, and the model reports it during training
     m = model.GLM5(tiny_config()).train()
     x = torch.randint(0, 97, (2, 9))
@@ -264,7 +265,7 @@ def test_combine_experts_sums_in_fp32_and_returns_the_stream_dtype():
     out = torch.randn(N * k, D).bfloat16()
     order = torch.randperm(N * k)
     w = torch.rand(N, k)
-    y = model.combine_experts(out, order, w, torch.float32)
+    y = experts.combine_experts(out, order, w, torch.float32)
     slots = torch.empty(N * k, D)
     slots[order] = out.float()
     assert y.dtype == torch.float32
@@ -301,10 +302,10 @@ def test_grouped_experts_equal_the_loop_forward_and_gradients(dtype):
     counts = torch.tensor([5, 1, 7, 0, 2, 9, 0, 4])
     x = torch.randn(int(counts.sum()), D).to(dtype).requires_grad_()
     g = torch.randn(x.shape[0], D).to(dtype)
-    assert model.grouped_mm_ok(x, gate_up, down)
+    assert experts.grouped_mm_ok(x, gate_up, down)
     outs, grads = [], []
     for impl in ("grouped", "loop"):
-        y = model.run_experts(x, counts, gate_up, down, impl)
+        y = experts.run_experts(x, counts, gate_up, down, impl)
         outs.append(y)
         grads.append(torch.autograd.grad(y, (x, gate_up, down), g))
     tol = dict(rtol=0, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
@@ -322,7 +323,7 @@ def test_moe_grouped_equals_loop_and_needs_no_host_sync(monkeypatch):
     x = torch.randn(2, 9, 48, requires_grad=True)
     res = {}
     for impl in ("loop", "grouped"):
-        monkeypatch.setattr(model, "EXPERTS_IMPL", impl)
+        monkeypatch.setattr(experts, "EXPERTS_IMPL", impl)
         if impl == "grouped":
             for name in ("tolist", "item", "__int__", "__bool__"):
                 monkeypatch.setattr(torch.Tensor, name, lambda *a: pytest.fail("a host sync in the MoE"))

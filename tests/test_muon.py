@@ -162,7 +162,7 @@ def test_two_muon_steps_match_a_hand_computation():
 
 
 def test_stacked_experts_get_the_update_of_one_parameter_per_expert():
-    """Muon on model.Experts' stacked tensors (E, 2F, D) and (E, D, F) == Muon on each expert's gate, up
+    """Muon on experts.Experts' stacked tensors (E, 2F, D) and (E, D, F) == Muon on each expert's gate, up
     and down matrix as its own parameter (the layout before stacking), over three steps of momentum."""
     m = model.GLM5(tiny_config())
     experts = m.model.layers[1].mlp.experts
