@@ -253,20 +253,12 @@ def param_groups(model, lr_muon=3e-4, lr_adamw=3e-4, weight_decay=0.1, muon_spli
                 add("adamw", name, p, use_muon=False, lr=lr_adamw, weight_decay=weight_decay)
             elif isinstance(mod, (RMSNorm, nn.LayerNorm)) or p.ndim < 2:
                 add("adamw_no_decay", name, p, use_muon=False, lr=lr_adamw, weight_decay=0.0)
-            elif isinstance(mod, Experts) and in_blocks:
-                hidden = mod.down_proj.shape[-1]
-                split = (hidden, hidden) if short == "gate_up_proj" else None  # per expert: gate, up | down
-                add(
-                    ("muon", split),
-                    name,
-                    p,
-                    use_muon=True,
-                    lr=lr_muon,
-                    weight_decay=weight_decay,
-                    split=split,
-                )
-            elif isinstance(mod, nn.Linear) and p.ndim == 2 and in_blocks:
-                split = mla_splits.get(id(p)) if muon_split else None
+            elif in_blocks and (isinstance(mod, Experts) or (isinstance(mod, nn.Linear) and p.ndim == 2)):
+                if isinstance(mod, Experts):  # per expert: gate, up | down
+                    hidden = mod.down_proj.shape[-1]
+                    split = (hidden, hidden) if short == "gate_up_proj" else None
+                else:
+                    split = mla_splits.get(id(p)) if muon_split else None
                 add(
                     ("muon", split),
                     name,
