@@ -18,6 +18,47 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "slow: over ~5 s on 2 cores; left out of the fast tier")
 
 
+def _gloo_rank(rank, world, init_file, check, args):
+    import datetime
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.set_num_threads(1)
+    # a collective that never completes (ranks disagreeing) fails after 60 s instead of hanging CI
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    try:
+        check(rank, world, init_device_mesh("cpu", (world,)), *args)
+        dist.barrier()  # neither rank tears its connections down while the other still uses them
+    finally:
+        dist.destroy_process_group()
+    # The check passed. Leave without the interpreter's shutdown: gloo's threads can still be winding down
+    # there and abort the process now and then ("terminate called without an active exception", SIGABRT),
+    # a failure of the teardown, not of anything checked. An assertion in check still fails the test: the
+    # exception propagates and the process exits nonzero.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def on_two_gloo_ranks(check, *args):
+    """Run check(rank, world, mesh, *args) on two CPU ranks over gloo (a module-level function of the test
+    file). An AssertionError, or a 60 s collective timeout, in either rank makes mp.spawn raise, which
+    fails the calling test."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(_gloo_rank, args=(2, os.path.join(d, "init"), check, args), nprocs=2, join=True)
+
+
 @functools.cache
 def tiny_chat_tokenizer():
     """A 320-id BPE with GLM-5's chat tokens, trained in about a second on 20 seeded standard-library files:

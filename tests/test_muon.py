@@ -2,19 +2,15 @@
 against a hand computation, the parameter groups, a short training run, and the DTensor path and FSDP2
 on 2 CPU ranks over gloo."""
 
-import datetime
 import io
 import math
-import os
-import sys
-import tempfile
 
 import pytest
 import torch
 
 import model
 import muon
-from conftest import tiny_config
+from conftest import on_two_gloo_ranks, tiny_config
 
 A, B, C = 3.4445, -4.7750, 2.0315
 
@@ -304,57 +300,36 @@ def test_muon_and_adamw_reduce_the_loss_on_a_fixed_batch():
 # DTensor / FSDP2: two CPU ranks over gloo, sharded parameters against the same steps on whole tensors
 
 
-def _dtensor_worker(rank, world, init_file, seed):
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
+def _dtensor_check(rank, world, mesh, seed):
+    """Muon on DTensor shards (rows, columns, stacked experts) against the same steps on whole tensors, then
+    _fsdp2_check."""
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    torch.set_num_threads(1)
-    # a collective that never completes (ranks disagreeing) fails after 60 s instead of hanging CI
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{init_file}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=60),
-    )
-    try:
-        mesh = init_device_mesh("cpu", (world,))
-        gen = torch.Generator().manual_seed(seed)  # the same tensors on both ranks
-        shapes = [((96, 16), (12, 20), Shard(0)), ((7, 10), None, Shard(0)), ((60, 24), (20,), Shard(1))]
-        # stacked experts sharded on the expert dimension: each rank orthogonalises its own, no gather
-        shapes += [((4, 24, 10), (12, 12), Shard(0)), ((4, 10, 12), None, Shard(0))]
-        plain, sharded, groups_plain, groups_sharded = [], [], [], []
-        for shape, split, placement in shapes:
-            w = torch.randn(shape, generator=gen)
-            a = torch.nn.Parameter(w.clone())
-            b = torch.nn.Parameter(distribute_tensor(w.clone(), mesh, [placement]))
-            plain.append(a)
-            sharded.append(b)
-            groups_plain.append({"params": [a], "split": split})
-            groups_sharded.append({"params": [b], "split": split})
-        opt_a, opt_b = muon.Muon(groups_plain, lr=0.05), muon.Muon(groups_sharded, lr=0.05)
-        for _ in range(2):
-            for a, b in zip(plain, sharded):
-                g = torch.randn(a.shape, generator=gen)
-                a.grad = g.clone()
-                b.grad = distribute_tensor(g.clone(), mesh, b.placements)
-            opt_a.step()
-            opt_b.step()
+    gen = torch.Generator().manual_seed(seed)  # the same tensors on both ranks
+    shapes = [((96, 16), (12, 20), Shard(0)), ((7, 10), None, Shard(0)), ((60, 24), (20,), Shard(1))]
+    # stacked experts sharded on the expert dimension: each rank orthogonalises its own, no gather
+    shapes += [((4, 24, 10), (12, 12), Shard(0)), ((4, 10, 12), None, Shard(0))]
+    plain, sharded, groups_plain, groups_sharded = [], [], [], []
+    for shape, split, placement in shapes:
+        w = torch.randn(shape, generator=gen)
+        a = torch.nn.Parameter(w.clone())
+        b = torch.nn.Parameter(distribute_tensor(w.clone(), mesh, [placement]))
+        plain.append(a)
+        sharded.append(b)
+        groups_plain.append({"params": [a], "split": split})
+        groups_sharded.append({"params": [b], "split": split})
+    opt_a, opt_b = muon.Muon(groups_plain, lr=0.05), muon.Muon(groups_sharded, lr=0.05)
+    for _ in range(2):
         for a, b in zip(plain, sharded):
-            assert b.to_local().shape != a.shape  # really sharded
-            torch.testing.assert_close(b.full_tensor(), a.data, rtol=0, atol=1e-6)
-        _fsdp2_check(rank, world, mesh, seed)
-        dist.barrier()  # neither rank tears its connections down while the other still uses them
-    finally:
-        dist.destroy_process_group()
-    # Both checks passed. Leave without the interpreter's shutdown: gloo's threads can still be winding down
-    # there and abort the process now and then ("terminate called without an active exception", SIGABRT),
-    # a failure of the teardown, not of anything this test checks. An assertion above still fails it: the
-    # exception propagates and the process exits nonzero.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+            g = torch.randn(a.shape, generator=gen)
+            a.grad = g.clone()
+            b.grad = distribute_tensor(g.clone(), mesh, b.placements)
+        opt_a.step()
+        opt_b.step()
+    for a, b in zip(plain, sharded):
+        assert b.to_local().shape != a.shape  # really sharded
+        torch.testing.assert_close(b.full_tensor(), a.data, rtol=0, atol=1e-6)
+    _fsdp2_check(rank, world, mesh, seed)
 
 
 def _fsdp2_check(rank, world, mesh, seed):
@@ -395,11 +370,5 @@ def _fsdp2_check(rank, world, mesh, seed):
 @pytest.mark.slow
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without torch.distributed")
 def test_dtensor_and_fsdp2_steps_equal_the_whole_matrix_steps():
-    import torch.multiprocessing as mp
-
-    # the assertions run in the two workers; an AssertionError (or a 60 s collective timeout) in either
-    # rank makes mp.spawn raise, which fails this test
-    with tempfile.TemporaryDirectory() as d:
-        mp.spawn(
-            _dtensor_worker, args=(2, os.path.join(d, "init"), torch.seed() % 2**31), nprocs=2, join=True
-        )
+    # the assertions run in both ranks (on_two_gloo_ranks); an AssertionError in either fails this test
+    on_two_gloo_ranks(_dtensor_check, torch.seed() % 2**31)

@@ -7,12 +7,10 @@ change nothing, the indexers, router bias and MTP block stay bit-identical, iden
 gradient, distillation's gradient, and the optimizer reset (a second or so each)."""
 
 import math
-import os
-import sys
 
 import pytest
 import torch
-from conftest import randomize, tiny_config
+from conftest import on_two_gloo_ranks, randomize, tiny_config
 
 import model
 import parallel
@@ -535,53 +533,34 @@ def test_optimizer_reset_is_a_fresh_optimizer():
 # The trainer under torchrun: two CPU ranks over gloo, FSDP2 as train.py shards, against one process
 
 
-def _rank_step_worker(rank, world, init_file, seed):
-    import datetime
-
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{init_file}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=60),
-    )
-    try:
-        mesh = init_device_mesh("cpu", (world,))
-        for kind, n_trajs in [("agentic", 5), ("reasoning", 5), ("agentic", 1)]:
-            ref = tiny_policy(seed)
-            m = tiny_policy(seed)
-            trajs = on_policy_batch(ref, seed, groups=3, n=2)[:n_trajs]
-            for t in trajs:  # off-policy rollout logprobs: some ratios leave the band and are masked
-                shifted = []
-                for i, (lp, sampled) in enumerate(zip(t.logprobs, t.mask)):
-                    shifted.append(lp - 0.8 * (i % 3 - 1) if sampled else 0.0)
-                t.logprobs = shifted
-            rl.freeze_for_rl(m)
-            parallel.shard_model(m, mesh)
-            kw = dict(lr_muon=0.02, lr_adamw=0.01, ns_dtype=torch.float64)
-            opt_ref = rl.build_optimizers(ref, **kw)
-            opt_m = rl.build_optimizers(m, **kw)
-            want = rl.rl_step(ref, opt_ref, trajs, kind, grad_clip=0.5)
-            got = rl.rl_step(m, opt_m, trajs, kind, grad_clip=0.5, world=world, rank=rank)
-            # the statistics' fractions are float32 sums in the loss functions: equal to ~1e-7
-            for k in ("tokens", "masked_frac", "abs_r_minus_1", "loss", "grad_norm", "reward"):
-                assert abs(got[k] - want[k]) < 1e-6, (kind, n_trajs, k, got[k], want[k])
-            assert 0 < want["masked_frac"] < 1
-            n_sharded = 0
-            for (name, p), q in zip(ref.named_parameters(), m.parameters()):
-                n_sharded += q.to_local().numel() < p.numel()
-                torch.testing.assert_close(q.full_tensor(), p.data, rtol=0, atol=1e-10, msg=name)
-            assert n_sharded > 0
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # as test_muon's workers: not through the interpreter's shutdown with gloo's threads
+def _rank_step_check(rank, world, mesh, seed):
+    """One rl_step on this rank's rows against rl_step on the whole batch in one process (the same seed on
+    both ranks, so both build the same reference): weights and statistics equal."""
+    for kind, n_trajs in [("agentic", 5), ("reasoning", 5), ("agentic", 1)]:
+        ref = tiny_policy(seed)
+        m = tiny_policy(seed)
+        trajs = on_policy_batch(ref, seed, groups=3, n=2)[:n_trajs]
+        for t in trajs:  # off-policy rollout logprobs: some ratios leave the band and are masked
+            shifted = []
+            for i, (lp, sampled) in enumerate(zip(t.logprobs, t.mask)):
+                shifted.append(lp - 0.8 * (i % 3 - 1) if sampled else 0.0)
+            t.logprobs = shifted
+        rl.freeze_for_rl(m)
+        parallel.shard_model(m, mesh)
+        kw = dict(lr_muon=0.02, lr_adamw=0.01, ns_dtype=torch.float64)
+        opt_ref = rl.build_optimizers(ref, **kw)
+        opt_m = rl.build_optimizers(m, **kw)
+        want = rl.rl_step(ref, opt_ref, trajs, kind, grad_clip=0.5)
+        got = rl.rl_step(m, opt_m, trajs, kind, grad_clip=0.5, world=world, rank=rank)
+        # the statistics' fractions are float32 sums in the loss functions: equal to ~1e-7
+        for k in ("tokens", "masked_frac", "abs_r_minus_1", "loss", "grad_norm", "reward"):
+            assert abs(got[k] - want[k]) < 1e-6, (kind, n_trajs, k, got[k], want[k])
+        assert 0 < want["masked_frac"] < 1
+        n_sharded = 0
+        for (name, p), q in zip(ref.named_parameters(), m.parameters()):
+            n_sharded += q.to_local().numel() < p.numel()
+            torch.testing.assert_close(q.full_tensor(), p.data, rtol=0, atol=1e-10, msg=name)
+        assert n_sharded > 0
 
 
 @pytest.mark.slow
@@ -589,9 +568,4 @@ def _rank_step_worker(rank, world, init_file, seed):
 def test_the_sharded_step_under_fsdp2_equals_the_one_process_step():
     """Two ranks, each training its rows of the same batch (odd sizes, and one trajectory for two ranks),
     land on the one-process weights and statistics: the whole batch's advantages and token count."""
-    import tempfile
-
-    import torch.multiprocessing as mp
-
-    with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_rank_step_worker, args=(2, os.path.join(d, "init"), 3), nprocs=2, join=True)
+    on_two_gloo_ranks(_rank_step_check, 3)  # the assertions run in both ranks; either one failing fails this
