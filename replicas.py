@@ -122,25 +122,11 @@ def load_weights(url, directory, version):
     return True
 
 
-class Whole:
-    """What weights.save_pretrained reads of a model (its config and state_dict), for a trainer whose
-    parameters are FSDP2 shards: the config, and the state dict gathered whole (rl_async.whole_state)."""
-
-    def __init__(self, config, state):
-        self.config = config
-        self.state = state
-
-    def state_dict(self):
-        return self.state
-
-
 def push_weights(m, urls, directory, version, dtype=torch.float32, state=None):
     """Save the trainer's weights (m's own, or `state`, the whole tensors of a sharded m) and have every
     replica load them as `version`. -> the URLs that did not answer (dead replicas, for the router to
     drop)."""
-    if state is not None:
-        m = Whole(m.config, state)
-    weights.save_pretrained(m, directory, dtype=dtype)
+    weights.save_pretrained(m, directory, dtype=dtype, state=state)
     return [url for url in urls if not load_weights(url, directory, version)]
 
 

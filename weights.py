@@ -331,12 +331,15 @@ def checkpoint_tensors(state_dict, num_hidden_layers):
     return {checkpoint_name(n, num_hidden_layers): t for n, t in per_expert_state(state_dict).items()}
 
 
-def save_pretrained(model, directory, dtype=torch.bfloat16, max_shard_bytes=5 * 2**30):
-    """Write config.json + sharded safetensors + the index json; the router bias stays fp32."""
+def save_pretrained(model, directory, dtype=torch.bfloat16, max_shard_bytes=5 * 2**30, state=None):
+    """Write config.json + sharded safetensors + the index json; the router bias stays fp32. state: the
+    model's state dict in whole tensors, for a model whose own are FSDP2 shards (gathered to this rank)."""
     os.makedirs(directory, exist_ok=True)
     L = model.config.num_hidden_layers
+    if state is None:
+        state = model.state_dict()
     tensors = {}
-    for name, t in checkpoint_tensors(model.state_dict(), L).items():
+    for name, t in checkpoint_tensors(state, L).items():
         keep_fp32 = name.endswith("e_score_correction_bias")
         tensors[name] = t.detach().to("cpu", torch.float32 if keep_fp32 else dtype)
     save_sharded(tensors, directory, max_shard_bytes)
