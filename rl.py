@@ -19,8 +19,9 @@ What is here, as plain functions on tensors and Trajectory records (rollout.py):
 - the trainer's step: token_logprobs (a teacher-forced forward of model.GLM5 on the exact token ids),
   policy_loss (group-relative advantages and one of the three losses by `kind`) and rl_step (backward, clip,
   one step of train.py's Muon + AdamW from build_optimizers), with the indexers and the MoE router bias
-  frozen and the balance and MTP losses off, as GLM-5 trains RL; reset_optimizers, the optional optimizer
-  reset after a weight push.
+  frozen and the balance and MTP losses off, as GLM-5 trains RL; under torchrun (FSDP2) each rank trains
+  its rows of the whole batch (rank_loss: the batch's advantages and token count, so the ranks' gradients
+  add up to one process's); reset_optimizers, the optional optimizer reset after a weight push.
 - the DP-aware router: consistent hashing with virtual nodes and bounded loads (Mirrokni, Thorup and
   Zadimoghaddam, "Consistent Hashing with Bounded Loads", SODA 2018), so a multi-turn rollout keeps hitting
   one replica's prefix cache.
