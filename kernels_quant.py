@@ -54,6 +54,8 @@ Honest limits:
   (asymmetric schemes), no FP8.
 """
 
+import sys
+
 import torch
 import torch.nn.functional as F
 
@@ -91,6 +93,10 @@ def unpack_int4(packed, K):
             f"unpack_int4 wants int32 words of shape (N, ceil(K / 8)) = (N, {cdiv(K, PACK)}) for K={K}; got "
             f"{packed.dtype} {tuple(packed.shape)}"
         )
+    if sys.byteorder == "little":  # byte i of a row holds values 2i (low nibble) and 2i + 1: 4x less traffic
+        b = packed.contiguous().view(torch.uint8)  # (N, K8 / 2)
+        nibbles = torch.stack([b & 0xF, b >> 4], dim=-1).flatten(1)  # (N, K8) in 0..15
+        return nibbles[:, :K].to(torch.int8) - 8
     shifts = torch.arange(PACK, device=packed.device, dtype=torch.int32) * 4
     nibbles = (packed[..., None] >> shifts) & 0xF  # (N, K8 / 8, 8): arithmetic shift, then the low 4 bits
     return (nibbles.flatten(1)[:, :K] - 8).to(torch.int8)
