@@ -33,20 +33,24 @@ second, plainer reference (`*_fp64`) dequantizes the weights and the activations
 the tests check the integer path equals it to fp32 rounding, and each kernel equals the integer path.
 
 Run:
-    python -m pytest -q tests/test_kernels_quant.py   # references always; kernels under the interpreter
-    python bench_kernels.py --only=quant              # GLM-5 shapes on a GPU; on a CPU, the reference's
-                                                      # integer path vs an fp32 matmul of the dequantized
-                                                      # weight (add --interpret for a kernel smoke test)
+    python -m pytest -q tests/test_kernels_quant.py   # the references (the interpreter run is marked slow)
+    TRITON_INTERPRET=1 NANOGLM_KERNELS=triton python -m pytest -q tests/test_kernels_quant.py  # kernels too
+    python bench_kernels.py --only=quant              # GLM-5 shapes on a GPU (--interpret: a smoke test)
+    python bench_kernels.py --cpu                     # the integer reference vs an fp32 matmul, this CPU
 
 Honest limits:
 - No GPU was at hand when this was written: the kernels are tested under Triton's CPU interpreter (fp32 and
   fp16 activations; int8 dot products) and compiled for sm_90 with Triton 3.9 (the int8 dots lower to
   wgmma; no register spills at 64 x 64 x 128 tiles), but never run natively: bf16 activations, FMA
-  contraction in the epilogues (the tests allow an ulp) and every GPU timing are unchecked. Tile sizes are fixed and untuned (no autotuning, no Hopper wgmma/TMA-specific code, no
+  contraction in the epilogues (the tests allow an ulp) and every GPU timing are unchecked.
+- Tile sizes are fixed and untuned (no autotuning, no Hopper-specific TMA or warp specialisation, no
   split-K for decode, no Marlin-style weight reordering): expect them well short of vLLM's CUTLASS W8A8 or
-  Machete/Marlin W4A16 kernels.
+  Machete/Marlin kernels.
 - The INT4 nibbles are unpacked in registers tile by tile (shifts, a mask, a reshape); the activations are
   quantized in a separate launch (not fused into the norm or the previous matmul's epilogue).
+- The torch reference unpacks the INT4 weight on every call and loops over groups: on a CPU it is slower
+  than an fp32 matmul of a dequantized weight kept in memory (bench_kernels.py --cpu); a CPU server that
+  cares could keep the unpacked int8 weight (twice the packed bytes, a quarter of fp32).
 - The Triton W4A8 path takes group sizes that are multiples of 32 (a K tile of an int8 dot is at least 32
   deep and must not straddle two groups); the reference takes any. The grouped experts kernel trusts that
   counts sums to T (checking it would cost a host sync); the reference checks.

@@ -5,7 +5,8 @@ multiple of 8, empty experts).
 
 The references run in this process. The kernels run under Triton's CPU interpreter, which must be switched
 on before triton is first imported (other test modules import it without): test_kernels_under_the_interpreter
-runs this file again in a fresh process with TRITON_INTERPRET=1 NANOGLM_KERNELS=triton. To see those tests
+runs this file again in a fresh process with TRITON_INTERPRET=1 NANOGLM_KERNELS=triton (marked slow: ~15 s
+on an idle machine, minutes on a busy one). To see those tests
 one by one:
     TRITON_INTERPRET=1 NANOGLM_KERNELS=triton python -m pytest -q tests/test_kernels_quant.py
 With a CUDA GPU the kernel tests also run natively (bf16 included). Every buffer a launcher allocates with
