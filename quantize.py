@@ -40,8 +40,9 @@ public source (github.com/neuralmagic/compressed-tensors, now vllm-project/compr
   input_activations, output_activations, format}}, ignore, kv_cache_scheme}; strategy "channel" / "group"
   (with group_size) for weights, "token" with dynamic true for activations; targets are module names,
   "re:" regexes matched from the start of the name, or class names; `ignore` lists modules kept as they are.
-  llm-compressor's examples (github.com/vllm-project/llm-compressor, examples/quantizing_moe) target the
-  experts by regex and ignore lm_head and the router ("re:.*mlp.gate$"), as here.
+  llm-compressor's MoE examples (github.com/vllm-project/llm-compressor, examples/) ignore lm_head and the
+  router ("re:.*mlp.gate$") as here; they target "Linear", where the targets here are regexes that name
+  exactly the quantized modules (so a reader that does not apply `ignore` still finds the right ones).
 
 QuaRot (Ashkboos et al. 2024, arXiv 2404.00456, section 4): RMSNorm(h) * w followed by a linear W equals
 RMSNorm(h) followed by W diag(w) (fold the norm's weight into the readers), and RMSNorm commutes with an
