@@ -176,7 +176,9 @@ def test_quant_experts_are_dequantize_then_matmul(bits, group_size):
         for k, v in quantize.quantized_tensors(module, w.detach(), bits, group_size, torch.float32).items():
             if not k.endswith("weight_shape"):
                 views[k].copy_(v)
-        deq[module] = quantize.dequantize(*quantize.quantize_weight(w.detach(), bits, group_size, torch.float32))
+        deq[module] = quantize.dequantize(
+            *quantize.quantize_weight(w.detach(), bits, group_size, torch.float32)
+        )
     counts = torch.tensor([3, 0, 5, 2])
     x = torch.randn(10, D)
     outs = []
@@ -210,7 +212,11 @@ def test_written_checkpoint_follows_compressed_tensors(source, tmp_path_factory,
     for g in (int4, int8):
         a = g["input_activations"]
         assert (a["num_bits"], a["type"], a["symmetric"], a["strategy"], a["dynamic"]) == (
-            8, "int", True, "token", True,
+            8,
+            "int",
+            True,
+            "token",
+            True,
         )
         assert g["output_activations"] is None
     # the experts of every MoE layer, the MTP layer (layer 3) included, match the INT4 regex
@@ -218,9 +224,16 @@ def test_written_checkpoint_follows_compressed_tensors(source, tmp_path_factory,
     assert any(quantize.target_matches(p, mtp_expert) for p in int4["targets"])
     assert not any(quantize.target_matches(p, mtp_expert) for p in int8["targets"])
     assert all(p.startswith("re:") for p in int4["targets"] + int8["targets"])
-    for kept in ("lm_head", "model.embed_tokens", "model.layers.1.mlp.gate", "model.layers.2.self_attn.q_a_proj",
-                 "model.layers.0.self_attn.kv_a_proj_with_mqa", "model.layers.0.self_attn.kv_b_proj",
-                 "model.layers.3.self_attn.indexer.wk", "model.layers.3.self_attn.indexer.weights_proj"):
+    for kept in (
+        "lm_head",
+        "model.embed_tokens",
+        "model.layers.1.mlp.gate",
+        "model.layers.2.self_attn.q_a_proj",
+        "model.layers.0.self_attn.kv_a_proj_with_mqa",
+        "model.layers.0.self_attn.kv_b_proj",
+        "model.layers.3.self_attn.indexer.wk",
+        "model.layers.3.self_attn.indexer.weights_proj",
+    ):
         assert kept in qc["ignore"]
         assert t[kept + ".weight"].dtype == torch.bfloat16
     # INT4 experts: packed words, scales in the weights' dtype, the shape; no zero points, no input scales
@@ -266,8 +279,13 @@ def test_quantized_checkpoint_serves_over_http(ckpt, tmp_path_factory):  # noqa:
         url = f"http://127.0.0.1:{srv.server_address[1]}"
         r = requests.post(
             url + "/v1/completions",
-            json={"prompt": [5, 6, 7, 8], "max_tokens": 6, "temperature": 0, "ignore_eos": True,
-                  "return_token_ids": True},
+            json={
+                "prompt": [5, 6, 7, 8],
+                "max_tokens": 6,
+                "temperature": 0,
+                "ignore_eos": True,
+                "return_token_ids": True,
+            },
         ).json()
         got = r["choices"][0]["token_ids"]
     finally:
@@ -384,7 +402,9 @@ def test_corrupt_tensors_and_wrong_loaders_get_a_sentence(source, tmp_path_facto
         "model.layers.1.mlp.experts.0.up_proj.weight_packed"
     ].to(torch.int64)
     weights.save_file(t, fname)
-    with pytest.raises(weights.CheckpointError, match="experts.0.up_proj.weight_packed .* must be torch.int32"):
+    with pytest.raises(
+        weights.CheckpointError, match="experts.0.up_proj.weight_packed .* must be torch.int32"
+    ):
         quantized.from_pretrained(out)
     del t["model.layers.1.mlp.experts.0.up_proj.weight_packed"]
     weights.save_file(t, fname)
