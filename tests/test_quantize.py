@@ -316,7 +316,8 @@ def test_streaming_holds_one_shard(tmp_path):
     code = (
         "import resource, sys, torch, quantize;"
         "base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss;"
-        "s = quantize.quantize_checkpoint(sys.argv[1], sys.argv[2], dtype=torch.float32, log=lambda *a: None);"
+        "s = quantize.quantize_checkpoint(sys.argv[1], sys.argv[2], dtype=torch.float32, "
+        "log=lambda *a: None);"
         "print(s['peak_bytes'], (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) * 1024)"
     )
     res = subprocess.run(
