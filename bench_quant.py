@@ -157,23 +157,24 @@ def main():
             f = weights.SafeFile(os.path.join(directory, fname))
             tens.update({n: f.get(n) for n in names if ".mlp.experts." in n})
         experts = sum(t.numel() * t.element_size() for t in tens.values())
-        if label.startswith("FP32"):
-            size, experts = float("nan"), float("nan")
         loss = val_loss(m, batches)
         ppl = math.exp(loss)
         ppl_bf16 = ppl_bf16 or (ppl if label == "BF16" else None)
         agree = agreement(greedy(m, prompts), ref_out)
         speed = decode_speed(m, prompts[0])
         bf16_speed = bf16_speed or (speed if label == "BF16" else None)
-        gbs = bytes_per_token(directory, cfg) * speed / 1e9
+        fp32 = label.startswith("FP32")  # not written to disk: its bytes are the fp32 model's own
+        gbs = bytes_per_token(m if fp32 else directory, cfg) * speed / 1e9
         d_ppl = f"{100 * (ppl / ppl_bf16 - 1):+6.2f}%" if ppl_bf16 else ""
         ratio = f"{speed / bf16_speed:6.2f}x" if bf16_speed else ""
         print(
-            f"{label:26s} {size / 2**20:9.2f} {experts / 2**20:8.2f} {loss:9.4f} {ppl:7.3f} {d_ppl:>7s} "
+            f"{label:26s} {'-' if fp32 else f'{size / 2**20:.2f}':>9s} "
+            f"{'-' if fp32 else f'{experts / 2**20:.2f}':>8s} {loss:9.4f} {ppl:7.3f} {d_ppl:>7s} "
             f"{agree:6.3f} {speed:7.1f} {gbs:6.3f} {ratio:>7s}"
         )
     print(
-        "\nbytes: the checkpoint on disk (experts: the routed experts' tensors, scales and shapes included); "
+        "\nbytes: the checkpoint on disk (experts: the routed experts' tensors, scales and shapes included; "
+        "a rotated checkpoint also holds the MTP block's own head, quantize.py says why); "
         "agree: greedy tokens equal to BF16's at the same position; GB/s: weight bytes one token reads "
         "(active experts only) x tok/s"
     )
