@@ -83,7 +83,8 @@ def decode_speed(m, prompt):
 
 def bytes_per_token(directory_or_model, cfg):
     """Weight bytes one decoded token reads: everything but the routed experts, plus the k of E experts
-    each MoE layer picks (k / E of their bytes), the embedding row only (not the whole table)."""
+    each MoE layer picks (k / E of their bytes), the embedding row only (not the whole table), and not the
+    MTP block (decoding without drafts never runs it)."""
     if isinstance(directory_or_model, str):
         tensors = {}
         for fname, names in weights.open_checkpoint(directory_or_model).items():
@@ -92,8 +93,11 @@ def bytes_per_token(directory_or_model, cfg):
     else:
         tensors = weights.checkpoint_tensors(directory_or_model.state_dict(), cfg.num_hidden_layers)
     frac = cfg.num_experts_per_tok / cfg.n_routed_experts
+    mtp = f"model.layers.{cfg.num_hidden_layers}."  # the MTP block: model.generate does not run it
     total = 0.0
     for n, t in tensors.items():
+        if n.startswith(mtp):
+            continue
         b = t.numel() * t.element_size()
         if "embed_tokens" in n:
             b = b / t.shape[0]
