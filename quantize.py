@@ -92,6 +92,7 @@ import time
 
 import torch
 
+import quantized
 import weights
 from model import GLM5, ModelConfig, load_config_file
 
@@ -132,14 +133,6 @@ ACTIVATION_ARGS = dict(
 )
 
 
-def target_matches(target, module):
-    """compressed-tensors' rule: "re:<regex>" matched from the start of the name, else the exact name.
-    (A class-name target such as "Linear" is quantized.py's concern: every name here is a linear.)"""
-    if target.startswith("re:"):
-        return re.match(target[3:], module) is not None
-    return target == module or target == "Linear"
-
-
 def config_groups(scheme, group_size):
     """-> the config_groups dict for --scheme w4a8 / w8a8 (one group per format)."""
     int8 = dict(
@@ -166,7 +159,7 @@ def config_groups(scheme, group_size):
 def group_of(module, groups):
     """The config group (name, dict) whose targets match `module`, or (None, None)."""
     for gname, g in groups.items():
-        if any(target_matches(t, module) for t in g["targets"]):
+        if any(quantized.matches(t, module) for t in g["targets"]):
             return gname, g
     return None, None
 
@@ -355,8 +348,6 @@ def rotate_model(model, seed=0):
     """A copy of `model` with QuaRot applied to its weights (in float64 when the model is, else fp32), and
     the MTP block's own head mapped onto lm_head (quantized.MTPHeadNorm). Same function, rotated stream."""
     import copy
-
-    import quantized
 
     cfg = model.config
     L = cfg.num_hidden_layers

@@ -221,8 +221,8 @@ def test_written_checkpoint_follows_compressed_tensors(source, tmp_path_factory,
         assert g["output_activations"] is None
     # the experts of every MoE layer, the MTP layer (layer 3) included, match the INT4 regex
     mtp_expert = "model.layers.3.mlp.experts.7.down_proj"
-    assert any(quantize.target_matches(p, mtp_expert) for p in int4["targets"])
-    assert not any(quantize.target_matches(p, mtp_expert) for p in int8["targets"])
+    assert any(quantized.matches(p, mtp_expert) for p in int4["targets"])
+    assert not any(quantized.matches(p, mtp_expert) for p in int8["targets"])
     assert all(p.startswith("re:") for p in int4["targets"] + int8["targets"])
     for kept in (
         "lm_head",
