@@ -2,7 +2,10 @@
 kernels.py's Triton kernels against their torch references (dsa.py's torch paths, kernels.py's *_ref)
 at GLM-5 shapes (GLM-5 report, section 2 and its W4A8 deployment; DeepSeek-V3.2 report):
 64 heads over 576-d latents (512 + 64) with top-k 2048, a 32 x 128 lightning indexer, experts of
-6144 -> 2048 -> 6144 with 8 of them per token, and W4A8 expert matmuls; contexts 8K to 128K.
+6144 -> 2048 -> 6144 with 8 of them per token, and W4A8 expert matmuls; contexts 8K to 128K. The `quant`
+rows time kernels_quant.py (the compressed-tensors W8A8 / W4A8 layers quantize.py writes) against the bf16
+matmuls they replace: W8A8 at the attention's q_b_proj and o_proj, W4A8 at one expert's gate/up and down
+(per channel and in groups of 128), and the grouped W4A8 experts against torch's bf16 grouped GEMM.
 
 Printed per row, measured side by side in this run: the reference's time, the kernel's time, the ratio
 (reference / kernel), and what the kernel achieves: TFLOP/s against this device's bf16 matmul peak and
@@ -20,7 +23,10 @@ Run it:
     python bench_kernels.py --interpret                      # tiny shapes under Triton's CPU
                                                              # interpreter: every path runs and
                                                              # agrees; times nothing
-Without a GPU (and without --interpret) it says so and exits 0.
+    python bench_kernels.py --cpu                            # no GPU needed: kernels_quant's torch
+                                                             # integer path vs an fp32 matmul of the
+                                                             # dequantized weight, on this CPU
+Without a GPU (and without --interpret or --cpu) it says so and exits 0.
 
 Honest limits: one run, mean times from triton.testing.do_bench (L2 flushed between runs); random top-k
 positions and uniform random routing, not a trained model's. The sparse MLA training rows compare forward +
@@ -36,7 +42,9 @@ import time
 import torch
 
 ap = argparse.ArgumentParser(description="kernels.py vs its torch references at GLM-5 shapes")
-ap.add_argument("--only", default="indexer,mla,moe,w4a8", help="comma list of: indexer, mla, moe, w4a8")
+ap.add_argument(
+    "--only", default="indexer,mla,moe,w4a8,quant", help="comma list of: indexer, mla, moe, w4a8, quant"
+)
 ap.add_argument(
     "--contexts", default="8192,32768,131072", help="context lengths for the indexer and sparse MLA"
 )
@@ -49,29 +57,36 @@ ap.add_argument(
 ap.add_argument(
     "--interpret", action="store_true", help="tiny shapes through Triton's CPU interpreter (a smoke test)"
 )
+ap.add_argument(
+    "--cpu",
+    action="store_true",
+    help="time kernels_quant's torch references on this CPU (integer path vs fp32 dequantized matmul)",
+)
 args = ap.parse_args()
 parts = [p for p in args.only.split(",") if p]
-unknown = set(parts) - {"indexer", "mla", "moe", "w4a8"}
+unknown = set(parts) - {"indexer", "mla", "moe", "w4a8", "quant"}
 if unknown:
-    sys.exit(f"--only: unknown part(s) {sorted(unknown)}; choose from indexer, mla, moe, w4a8")
+    sys.exit(f"--only: unknown part(s) {sorted(unknown)}; choose from indexer, mla, moe, w4a8, quant")
 contexts = [int(c) for c in args.contexts.split(",") if c]
 
 if args.interpret:
     os.environ["NANOGLM_KERNELS"] = "triton"  # kernels.py then defines its kernels under the interpreter
     os.environ["TRITON_INTERPRET"] = "1"
-elif not torch.cuda.is_available():
+elif not torch.cuda.is_available() and not args.cpu:
     print(
         "bench_kernels.py needs a CUDA GPU to time the Triton kernels (this machine has none); "
-        "run with --interpret for a tiny-shape smoke test on the CPU"
+        "run with --interpret for a tiny-shape smoke test on the CPU, or with --cpu to time kernels_quant's "
+        "integer references against fp32 on this CPU"
     )
     sys.exit(0)
 
 import dsa  # noqa: E402
 import kernels  # noqa: E402
 import kernels_moe  # noqa: E402
+import kernels_quant  # noqa: E402
 
-DEV = "cpu" if args.interpret else "cuda"
-DT = torch.float32 if args.interpret else torch.bfloat16  # the interpreter mishandles bf16 dot products
+DEV = "cpu" if args.interpret or args.cpu else "cuda"
+DT = torch.float32 if DEV == "cpu" else torch.bfloat16  # the interpreter mishandles bf16 dot products
 
 # -----------------------------------------------------------------------------
 # The machine, its peaks, and one timed row
@@ -79,6 +94,8 @@ DT = torch.float32 if args.interpret else torch.bfloat16  # the interpreter mish
 
 def describe_machine():
     gpu = torch.cuda.get_device_name() if DEV == "cuda" else "no GPU (Triton interpreter)"
+    if args.cpu:
+        gpu = f"CPU only, {torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.2f}"
     return (
         f"machine: {platform.node()}, {gpu}, torch {torch.__version__}, triton {kernels.triton.__version__}"
     )
@@ -320,6 +337,135 @@ def bench_w4a8(shapes, Ms, group_size):
 
 
 # -----------------------------------------------------------------------------
+# kernels_quant: W8A8 and W4A8 in the compressed-tensors layout, against the bf16 matmuls they replace
+
+
+def quantize_weight(w, bits, group_size=None):
+    """Round-to-nearest symmetric weights (what quantize.py writes): w (N, K) -> w_q int8, scale (N, G)."""
+    N, K = w.shape
+    g = group_size or K
+    qmax = 2 ** (bits - 1) - 1
+    groups = torch.nn.functional.pad(w.float(), (0, kernels.cdiv(K, g) * g - K)).view(N, -1, g)
+    scale = groups.abs().amax(-1).clamp_min(1e-12) / qmax  # (N, G)
+    w_q = torch.round(groups / scale[..., None]).clamp(-qmax - 1, qmax).view(N, -1)[:, :K]
+    return w_q.to(torch.int8), scale.to(w.dtype)
+
+
+def bench_quant(w8_shapes, w4_shapes, Ms, E, k, token_counts):
+    kq = kernels_quant
+    for N, K in w8_shapes:
+        w = randn(N, K, scale=0.02)
+        w_q, w_s = quantize_weight(w, 8)
+        for M in Ms:
+            x = randn(M, K)
+            row(
+                "W8A8 vs bf16 matmul",
+                f"M={M} N={N} K={K} per-channel",
+                lambda: x @ w.T,
+                lambda: kq.w8a8_linear(x, w_q, w_s),
+                2 * M * N * K,
+                N * K + M * K * x.element_size() + M * N * x.element_size(),
+            )
+    for N, K in w4_shapes:
+        w = randn(N, K, scale=0.02)
+        for g in (None, 128):
+            w_q, w_s = quantize_weight(w, 4, g)
+            packed = kq.pack_int4(w_q)
+            name = f"g{g}" if g else "per-channel"
+            for M in Ms:
+                x = randn(M, K)
+                row(
+                    "W4A8 vs bf16 matmul",
+                    f"M={M} N={N} K={K} {name}",
+                    lambda: x @ w.T,
+                    lambda: kq.w4a8_linear(x, packed, w_s, K),
+                    2 * M * N * K,
+                    N * K // 2 + w_s.numel() * 2 + M * K * x.element_size() + M * N * x.element_size(),
+                )
+            row(  # correctness on the device: the kernel against the integer reference
+                "W4A8 vs torch int ref",
+                f"M={Ms[0]} N={N} K={K} {name}",
+                lambda: kq.w4a8_linear_ref(x[: Ms[0]], packed, w_s, K),
+                lambda: kq.w4a8_linear(x[: Ms[0]], packed, w_s, K),
+                2 * Ms[0] * N * K,
+                N * K // 2,
+            )
+    # the routed experts' gate/up projection: E experts of (N, K), tokens routed uniformly to k of them
+    N, K = w4_shapes[0]
+    w = randn(E, N, K, scale=0.02)
+    packed, w_s = zip(*[(kq.pack_int4(q), s) for q, s in (quantize_weight(w[e], 4) for e in range(E))])
+    packed, w_s = torch.stack(packed), torch.stack(w_s)  # (E, N, K / 8), (E, N, 1)
+    for T in token_counts:
+        ids = torch.rand(T, E, device=DEV).topk(k, dim=-1).indices
+        counts = torch.bincount(ids.flatten(), minlength=E)
+        x = randn(T * k, K)
+        offs = counts.cumsum(0).to(torch.int32)
+        used = int((counts > 0).sum())
+        row(
+            "W4A8 experts vs bf16",
+            f"T={T} E={E} top-{k} {K}->{N}",
+            lambda: torch.nn.functional.grouped_mm(x, w.transpose(-2, -1), offs=offs),
+            lambda: kq.w4a8_experts(x, counts, packed, w_s, K),
+            2 * T * k * N * K,
+            used * N * K // 2 + 2 * x.numel() * x.element_size(),
+            check=hasattr(torch.nn.functional, "grouped_mm"),
+        )
+
+
+def bench_quant_cpu(w8_shapes, w4_shapes, Ms, reps=5):
+    """The torch references on this CPU: the integer path (torch._int_mm per group, INT4 unpacked each call)
+    against an fp32 matmul of the dequantized weight (what a CPU does without integer kernels). Median of
+    reps; weight GB/s counts the bytes each stores (int8, packed int4 + scales, fp32)."""
+    kq = kernels_quant
+
+    def median_ms(fn):
+        fn()
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return sorted(times)[reps // 2]
+
+    def cpu_row(name, shape, w_fp32, fast_fn, w_bytes):
+        x = randn(M, w_fp32.shape[1])
+        t_ref, t_int = median_ms(lambda: x @ w_fp32.T), median_ms(lambda: fast_fn(x))
+        err = rel_err(fast_fn(x), x.double() @ w_fp32.double().T)
+        print(
+            f"{name:24s} {shape:34s} fp32 {t_ref:8.2f} ms  int {t_int:8.2f} ms  x{t_ref / t_int:5.2f}  "
+            f"weight GB/s fp32 {w_fp32.numel() * 4 / t_ref / 1e6:6.2f} int {w_bytes / t_int / 1e6:6.2f}  "
+            f"err vs dequantized {err:.1e}",
+            flush=True,
+        )
+
+    for N, K in w8_shapes:
+        w_q, w_s = quantize_weight(randn(N, K, scale=0.02), 8)
+        w_fp32 = (w_q.double() * w_s.double()).float()
+        for M in Ms:
+            cpu_row(
+                "W8A8 int ref vs fp32",
+                f"M={M} N={N} K={K}",
+                w_fp32,
+                lambda x: kq.w8a8_linear_ref(x, w_q, w_s),
+                N * K,
+            )
+    for N, K in w4_shapes:
+        for g in (None, 128):
+            w_q, w_s = quantize_weight(randn(N, K, scale=0.02), 4, g)
+            packed = kq.pack_int4(w_q)
+            w_fp32 = kq.dequantize(w_q, w_s, g or K).float()
+            name = f"g{g}" if g else "per-channel"
+            for M in Ms:
+                cpu_row(
+                    "W4A8 int ref vs fp32",
+                    f"M={M} N={N} K={K} {name}",
+                    w_fp32,
+                    lambda x: kq.w4a8_linear_ref(x, packed, w_s, K),
+                    N * K // 2 + w_s.numel() * 4,
+                )
+
+
+# -----------------------------------------------------------------------------
 
 torch.manual_seed(0)
 print(describe_machine())
@@ -328,12 +474,19 @@ if PEAK_FLOPS:
     print(
         f"measured peaks: bf16 matmul {PEAK_FLOPS / 1e12:.0f} TFLOP/s, device copy {PEAK_GBS / 1e9:.0f} GB/s"
     )
+elif args.cpu:
+    print(
+        "CPU: kernels_quant's torch references only (the Triton rows need a GPU: run without --cpu there); "
+        "err = max |int - x @ W_deq| / max |x @ W_deq| (in fp64: the activations' INT8 error)"
+    )
 else:
     print(
         "interpreter smoke test: tiny shapes, times are the interpreter's, not a GPU's; err = max |kernel "
         "- ref| / max |ref|"
     )
-if args.interpret:  # tiny versions of every row
+if args.cpu:  # GLM-5's q_b_proj (W8A8) and one routed expert's gate/up and down (W4A8)
+    bench_quant_cpu([(16384, 2048)], [(4096, 6144), (6144, 2048)], [1, 16, 128])
+elif args.interpret:  # tiny versions of every row
     if "indexer" in parts:
         bench_indexer(2, 32, 8, [40], [(2, 1), (1, 4)])
     if "mla" in parts:
@@ -343,6 +496,8 @@ if args.interpret:  # tiny versions of every row
     if "w4a8" in parts:
         bench_w4a8([(32, 64)], [3], None)
         bench_w4a8([(32, 64)], [3], 32)
+    if "quant" in parts:
+        bench_quant([(40, 72)], [(40, 256)], [3], 4, 2, [5])
 else:  # GLM-5: 64 heads, C = 512, R = 64, top-k 2048; indexer 32 x 128; experts 6144 -> 2048
     if "indexer" in parts:
         bench_indexer(32, 128, 2048, contexts, [(32, 1), (1, 128)])
@@ -352,4 +507,13 @@ else:  # GLM-5: 64 heads, C = 512, R = 64, top-k 2048; indexer 32 x 128; experts
         bench_moe(args.experts, 6144, 2048, 8, [256, 4096])
     if "w4a8" in parts:
         bench_w4a8([(2048, 6144), (6144, 2048)], [1, 16, 128, 1024], None)
+    if "quant" in parts:  # W8A8: q_b_proj, o_proj; W4A8: an expert's gate/up (both halves) and down
+        bench_quant(
+            [(16384, 2048), (6144, 16384)],
+            [(4096, 6144), (6144, 2048)],
+            [1, 16, 128, 1024],
+            args.experts,
+            8,
+            [256, 4096],
+        )
 print("done")

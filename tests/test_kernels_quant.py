@@ -5,7 +5,8 @@ multiple of 8, empty experts).
 
 The references run in this process. The kernels run under Triton's CPU interpreter, which must be switched
 on before triton is first imported (other test modules import it without): test_kernels_under_the_interpreter
-runs this file again in a fresh process with TRITON_INTERPRET=1 NANOGLM_KERNELS=triton. To see those tests
+runs this file again in a fresh process with TRITON_INTERPRET=1 NANOGLM_KERNELS=triton (marked slow: ~15 s
+on an idle machine, minutes on a busy one). To see those tests
 one by one:
     TRITON_INTERPRET=1 NANOGLM_KERNELS=triton python -m pytest -q tests/test_kernels_quant.py
 With a CUDA GPU the kernel tests also run natively (bf16 included). Every buffer a launcher allocates with
@@ -13,7 +14,11 @@ torch.empty is poisoned first (NaN; -128 for int8, a value no kernel writes), so
 to write fails the comparison.
 """
 
+import contextlib
 import os
+import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -100,6 +105,10 @@ def test_quantize_activations_is_vllms_dynamic_per_token_rule():
     assert x_scale[2].item() == 0 and x_q[2].eq(0).all()
     # within half a step of the input
     assert ((x_q.float() * x_scale - x).abs() <= x_scale * (0.5 + 1e-5)).all()
+    # 127 / absmax correctly rounded to fp32 (as CUDA divides), then x times it rounded half to even
+    x = torch.randn(2000, 64).half().float()  # fp16 inputs land near halves often
+    inv = (127 / x.abs().amax(-1, keepdim=True).double()).float()
+    assert torch.equal(kq.quantize_activations(x)[0], torch.round(x * inv).to(torch.int8))
 
 
 # -----------------------------------------------------------------------------
@@ -165,4 +174,136 @@ def test_bad_shapes_get_a_sentence():
         kq.w4a8_linear(torch.randn(2, 64), packed, torch.cat([scale, scale[:, :1]], 1), 64)
     with pytest.raises(ValueError, match="sums to"):
         packed2, scale2 = packed.expand(2, -1, -1), scale.expand(2, -1, -1)
-        kq.w4a8_experts(torch.randn(3, 64), torch.tensor([1, 1]), packed2, scale2, 64)
+        kq.w4a8_experts_ref(torch.randn(3, 64), torch.tensor([1, 1]), packed2, scale2, 64)
+
+
+def test_triton_group_sizes():
+    assert kq.k_tile(100, 100, 128) == 128  # per channel: any K
+    assert kq.k_tile(256, 128, 128) == 128 and kq.k_tile(256, 32, 128) == 32 and kq.k_tile(192, 96, 128) == 32
+    with pytest.raises(ValueError, match="multiples of 32"):
+        kq.k_tile(96, 48, 128)
+
+
+# -----------------------------------------------------------------------------
+# 4. The Triton kernels against the integer references (interpreter on a CPU, natively on a GPU)
+
+
+@pytest.mark.slow
+def test_kernels_under_the_interpreter():
+    if INTERPRETED:
+        pytest.skip("this is the interpreter run")
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", NANOGLM_KERNELS="triton")
+    r = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", os.path.abspath(__file__)],
+        check=False,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    passed = re.search(r"(\d+) passed", r.stdout)
+    # every kernel case must have run there: a child that skipped them all would otherwise pass too
+    assert r.returncode == 0 and passed and int(passed.group(1)) >= 40, r.stdout[-6000:] + r.stderr[-2000:]
+    assert "no Triton device in this process" not in r.stdout, r.stdout[-6000:]
+
+
+@pytest.fixture(
+    params=CASES or [pytest.param(None, marks=pytest.mark.skip("no Triton device in this process"))],
+    ids=lambda c: f"{c[0]}-{str(c[1])[6:]}" if c else "none",
+)
+def case(request):
+    return request.param
+
+
+@contextlib.contextmanager
+def poisoned():
+    real = torch.empty
+
+    def empty(*shape, **kw):
+        t = real(*shape, **kw)
+        return t.fill_(float("nan") if t.is_floating_point() else -128 if t.dtype == torch.int8 else 0)
+
+    torch.empty = empty
+    try:
+        yield
+    finally:
+        torch.empty = real
+
+
+def close(got, ref, dtype):
+    """The kernels do the reference's integer sums and its fp32 scaling in the same order: equal up to an
+    ulp of the fp32 result, then rounding to the output dtype."""
+    assert got.dtype == ref.dtype and got.shape == ref.shape
+    assert rel_err(got, ref) <= (1e-6 if dtype == torch.float32 else 2e-3)
+
+
+@pytest.mark.parametrize("M, K", [(1, 13), (7, 300)])
+def test_quantize_kernel(case, M, K):
+    dev, dtype = case
+    x = (torch.randn(M, K) * torch.logspace(-2, 2, M)[:, None]).to(dev, dtype)
+    if M > 1:
+        x[1] = 0  # an all-zero token
+        x[2, :3] = torch.tensor([64.0, 0.5, -2.5])  # absmax 127 * 0.5039...: not a tie; the next row is
+        x[3, :4] = torch.tensor([127.0, 0.5, 2.5, -1.5])  # absmax 127: scale 1, exact ties
+        x[3, 4:] = x[3, 4:].clamp(-100, 100)
+    assert kernels.use_triton(x)
+    with poisoned():
+        x_q, x_scale = kq.quantize_activations_triton(
+            x, block_k=128
+        )  # 300 = two full blocks and a ragged one
+    r_q, r_scale = kq.quantize_activations_ref(x)
+    assert torch.equal(x_q, r_q) and torch.equal(x_scale, r_scale)
+
+
+@pytest.mark.parametrize("M, K, N", [(1, 50, 40), (70, 130, 70)])
+def test_w8a8_kernel(case, M, K, N):
+    dev, dtype = case
+    w_q, scale = quantize_weight(torch.randn(N, K), 8)
+    x = torch.randn(M, K).to(dev, dtype)
+    w_q, scale = w_q.to(dev), scale.to(dev)
+    with poisoned():
+        y = kq.w8a8_linear(x, w_q, scale)
+    close(y, kq.w8a8_linear_ref(x, w_q, scale), dtype)
+
+
+# (M, K, N, group_size): M = 1 decode, K not a multiple of 8, groups of one tile, of several tiles, a
+# ragged last group
+W4A8_CASES = [(1, 13, 7, None), (19, 100, 40, None), (5, 96, 70, 32), (17, 200, 33, 64), (3, 256, 16, 128)]
+
+
+@pytest.mark.parametrize("M, K, N, group_size", W4A8_CASES)
+def test_w4a8_kernel(case, M, K, N, group_size):
+    dev, dtype = case
+    _, packed, scale = random_int4(N, K, group_size)
+    x = torch.randn(2, M, K).to(dev, dtype)
+    packed, scale = packed.to(dev), scale.to(dev, dtype)  # scales stored in the weights' dtype
+    with poisoned():
+        y = kq.w4a8_linear(x, packed, scale, K, group_size)
+    close(y, kq.w4a8_linear_ref(x, packed, scale, K, group_size), dtype)
+
+
+@pytest.mark.parametrize(
+    "counts, K, group_size",
+    [
+        ([3, 0, 1, 0, 20], 72, None),
+        ([3, 0, 1, 0, 20], 72, 32),
+        ([0, 0, 1, 0, 0], 13, None),
+        ([0] * 5, 64, None),
+    ],
+)
+def test_w4a8_experts_kernel(case, counts, K, group_size):
+    dev, dtype = case
+    E, N = 5, 40
+    counts = torch.tensor(counts, device=dev)
+    x = torch.randn(int(counts.sum()), K).to(dev, dtype)
+    ws = [random_int4(N, K, group_size) for _ in range(E)]
+    packed = torch.stack([p for _, p, _ in ws]).to(dev)
+    scale = torch.stack([s for _, _, s in ws]).to(dev)
+    with poisoned():
+        y = kq.w4a8_experts(x, counts, packed, scale, K, group_size)
+    ref = kq.w4a8_experts_ref(x, counts, packed, scale, K, group_size)
+    if ref.numel():
+        close(y, ref, dtype)
+    assert y.shape == ref.shape
