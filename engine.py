@@ -92,8 +92,13 @@ from dsa import upcast
 
 def load_model(path, device="cpu", dtype=None):
     """-> GLM5 in eval mode. A file is read as train.py's checkpoint dict (our own files only: torch.load
-    with weights_only=False); a directory as config.json + safetensors."""
-    if os.path.isdir(path):
+    with weights_only=False); a directory as config.json + safetensors, through quantized.py when its
+    config.json has a quantization_config (quantize.py's W4A8 / W8A8 checkpoints)."""
+    import quantized  # here, not at the top: only load_model needs it
+
+    if os.path.isdir(path) and quantized.is_quantized(path):  # quantize.py's W4A8 / W8A8 checkpoints
+        m = quantized.from_pretrained(path, dtype=dtype, device=device)
+    elif os.path.isdir(path):
         m = weights.from_pretrained(path, dtype=dtype, device=device)
     elif os.path.isfile(path):
         ck = torch.load(path, map_location="cpu", weights_only=False)

@@ -38,6 +38,7 @@ Run it:
     python serve.py --ckpt out/ckpt.pt --port 8000       # a train.py checkpoint or a save_pretrained dir
     python serve.py --ckpt out/ckpt.pt --spec 3          # with MTP speculative decoding, 3 drafts per step
     python serve.py --ckpt out_sft/ckpt.pt --chat        # terminal chat, thinking shown dimmed
+    python serve.py --ckpt /tmp/q/w4a8                   # a W4A8 / W8A8 directory written by quantize.py
 (Chat with the SFT checkpoint: a pretrained-only one continues text and never learned the chat format.
 A --ckpt directory that holds a tokenizer.json, as a Hugging Face release does, is served with it.)
     curl localhost:8000/v1/chat/completions -d '{"messages": [{"role": "user", "content": "hi"}]}'
@@ -596,7 +597,11 @@ def main(argv=None):
         description="Serve a nanoGLM checkpoint (OpenAI-compatible API) or chat with it."
     )
     arg = ap.add_argument
-    arg("--ckpt", required=True, help="train.py's ckpt.pt or a save_pretrained directory")
+    arg(
+        "--ckpt",
+        required=True,
+        help="train.py's ckpt.pt, a save_pretrained directory or a quantize.py (W4A8 / W8A8) directory",
+    )
     arg(
         "--tokenizer",
         default=None,

@@ -23,7 +23,8 @@ describe) raises CheckpointError naming the file or tensor. Writing goes to a te
 renamed into place, so a crash never leaves a half-written shard under the real name.
 
 Run its tests with `python -m pytest -q tests/test_checkpoint.py`.
-Honest limits: BF16/FP32 checkpoints only (the FP8 release's quantization_config is rejected); the
+Honest limits: BF16/FP32 checkpoints, and the compressed-tensors W4A8/W8A8 ones quantize.py writes (a
+quantization_config is read by quantized.from_pretrained; the FP8 release's is rejected); the
 whole model is allocated on `device` before the shards are copied in, so it must fit there (no
 tensor-parallel or offloaded loading); the MTP block's repeated copies of the embedding and head are
 skipped on load and not written on save.
@@ -280,10 +281,12 @@ def config_from_json(d, source="config"):
             f"{source}: cross-layer indexer sharing (indexer_types / index_topk_freq) is not part of GLM-5 "
             f"and not supported; every layer needs its own indexer"
         )
-    if d.get("quantization_config"):
+    qc = d.pop("quantization_config", None)  # compressed-tensors W4A8/W8A8: quantized.py reads those
+    if qc and not (isinstance(qc, dict) and qc.get("quant_method") == "compressed-tensors"):
+        method = qc.get("quant_method") if isinstance(qc, dict) else qc
         raise ValueError(
-            f"{source}: quantized checkpoints (quantization_config) are not supported by from_pretrained; "
-            f"use the BF16 release"
+            f"{source}: quantization_config.quant_method = {method!r} is not supported (the FP8 release's "
+            f"'fp8' included); use the BF16 release, or a compressed-tensors checkpoint from quantize.py"
         )
     if d.get("q_lora_rank", 1) is None:
         raise ValueError(
@@ -380,6 +383,11 @@ def from_pretrained(directory, dtype=None, device="cpu", **overrides):
     dtype: parameter dtype (default: config.json's "dtype"/"torch_dtype", else fp32);
     overrides: ModelConfig fields to change (e.g. dsa_mode="dense")."""
     cfg, raw, path = read_config(directory, overrides)
+    if raw.get("quantization_config"):
+        raise ValueError(
+            f"{path} describes a quantized checkpoint (quantization_config); load it with "
+            "quantized.from_pretrained, as engine.load_model and serve.py do"
+        )
     if dtype is None:
         stored = raw.get("dtype") or raw.get("torch_dtype") or "float32"
         dtype = getattr(torch, str(stored), None)
