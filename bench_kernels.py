@@ -19,7 +19,7 @@ come close to 4x over bf16 at small batch.
 
 Run it:
     python bench_kernels.py                                  # on a CUDA GPU: everything (a few minutes)
-    python bench_kernels.py --only=mla,w4a8 --contexts=8192  # a subset
+    python bench_kernels.py --only=mla,quant --contexts=8192  # a subset
     python bench_kernels.py --interpret                      # tiny shapes under Triton's CPU
                                                              # interpreter: every path runs and
                                                              # agrees; times nothing
@@ -43,7 +43,7 @@ import torch
 
 ap = argparse.ArgumentParser(description="kernels.py vs its torch references at GLM-5 shapes")
 ap.add_argument(
-    "--only", default="indexer,mla,moe,w4a8,quant", help="comma list of: indexer, mla, moe, w4a8, quant"
+    "--only", default="indexer,mla,moe,quant", help="comma list of: indexer, mla, moe, quant"
 )
 ap.add_argument(
     "--contexts", default="8192,32768,131072", help="context lengths for the indexer and sparse MLA"
@@ -64,9 +64,9 @@ ap.add_argument(
 )
 args = ap.parse_args()
 parts = [p for p in args.only.split(",") if p]
-unknown = set(parts) - {"indexer", "mla", "moe", "w4a8", "quant"}
+unknown = set(parts) - {"indexer", "mla", "moe", "quant"}
 if unknown:
-    sys.exit(f"--only: unknown part(s) {sorted(unknown)}; choose from indexer, mla, moe, w4a8, quant")
+    sys.exit(f"--only: unknown part(s) {sorted(unknown)}; choose from indexer, mla, moe, quant")
 contexts = [int(c) for c in args.contexts.split(",") if c]
 
 if args.interpret:
@@ -305,37 +305,6 @@ def bench_moe(E, D, F_, k, token_counts):
         )
 
 
-def bench_w4a8(shapes, Ms, group_size):
-    for N, K in shapes:
-        w = randn(N, K, scale=0.02)
-        packed, w_scale = kernels_moe.pack_int4(w, group_size)
-        for M in Ms:
-            x = randn(M, K)
-            xq, xs = kernels_moe.quantize_act_ref(x)
-            flops, nbytes = (
-                2 * M * N * K,
-                packed.numel() + w_scale.numel() * 4 + M * K * (1 + x.element_size()) + M * N * 4,
-            )
-            g = f"g{group_size}" if group_size else "per-channel"
-            row(
-                "W4A8 vs torch ref",
-                f"M={M} N={N} K={K} {g}",
-                lambda: kernels_moe.w4a8_matmul_ref(xq, xs, packed, w_scale),
-                lambda: kernels_moe.w4a8_matmul(xq, xs, packed, w_scale),
-                flops,
-                nbytes,
-            )
-            # the baseline that matters: the bf16 matmul it replaces (quantizing x included)
-            row(
-                "W4A8 vs bf16 matmul",
-                f"M={M} N={N} K={K} {g}",
-                lambda: x @ w.T,
-                lambda: kernels_moe.w4a8_linear(x, packed, w_scale),
-                flops,
-                nbytes,
-            )
-
-
 # -----------------------------------------------------------------------------
 # kernels_quant: W8A8 and W4A8 in the compressed-tensors layout, against the bf16 matmuls they replace
 
@@ -493,9 +462,6 @@ elif args.interpret:  # tiny versions of every row
         bench_sparse_mla(4, 32, 16, 8, [40], [(2, 1), (1, 3)], train_T=2)
     if "moe" in parts:
         bench_moe(4, 32, 32, 2, [5])
-    if "w4a8" in parts:
-        bench_w4a8([(32, 64)], [3], None)
-        bench_w4a8([(32, 64)], [3], 32)
     if "quant" in parts:
         bench_quant([(40, 72)], [(40, 256)], [3], 4, 2, [5])
 else:  # GLM-5: 64 heads, C = 512, R = 64, top-k 2048; indexer 32 x 128; experts 6144 -> 2048
@@ -505,8 +471,6 @@ else:  # GLM-5: 64 heads, C = 512, R = 64, top-k 2048; indexer 32 x 128; experts
         bench_sparse_mla(64, 512, 64, 2048, contexts, [(64, 1), (1, 1024)], train_T=256)
     if "moe" in parts:
         bench_moe(args.experts, 6144, 2048, 8, [256, 4096])
-    if "w4a8" in parts:
-        bench_w4a8([(2048, 6144), (6144, 2048)], [1, 16, 128, 1024], None)
     if "quant" in parts:  # W8A8: q_b_proj, o_proj; W4A8: an expert's gate/up (both halves) and down
         bench_quant(
             [(16384, 2048), (6144, 16384)],

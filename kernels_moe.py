@@ -1,12 +1,10 @@
 """
-Triton kernels for the MoE experts and their W4A8 form, each beside the plain torch reference it must equal
-(the GLM-5 report's section 2 on the MoE, and its deployment section on W4A8: INT4 expert weights with
-INT8 per-token activations):
+Triton kernels for the MoE experts, each beside the plain torch reference it must equal (the GLM-5
+report's section 2 on the MoE; their W4A8 form for serving a quantized checkpoint is kernels_quant.py's
+w4a8_experts):
 
     moe_experts         routed experts over tokens grouped by expert: one launch for every expert's
                         SwiGLU gate/up, one for every expert's down projection (empty experts are free)
-    w4a8_linear         INT4 weights (two per byte, per-channel or per-group scales) x INT8 per-token
-                        activations, integer accumulation, scaled output; quantize_act and pack_int4
 
 The switch (NANOGLM_KERNELS, kernels.use_triton) and Triton itself (or the stand-ins that let these
 definitions parse without it) come from kernels.py, which sets Triton's interpreter flag before any kernel
@@ -16,20 +14,18 @@ beside it off the GPU.
 
 Run:
     python -m pytest -q tests/test_kernels.py  # every kernel vs its reference: interpreter on CPU, GPU if any
-    python bench_kernels.py --only=moe,w4a8    # GLM-5 shapes on a GPU (add --interpret on a CPU)
+    python bench_kernels.py --only=moe         # GLM-5 shapes on a GPU (add --interpret on a CPU)
 
 Honest limits:
-- Forward only: no backward kernel (training uses torch's grouped GEMM). W4A8 covers the MoE experts'
-  format only (not W8A8 attention, not QuaRot), and the model does not call it yet.
-- The activation quantizer rounds half up (floor(v + 0.5)), in the reference too, so both agree exactly.
-- Tile sizes are fixed and untuned, chosen without a GPU at hand (Marlin reaches ~4x over BF16 with INT4;
-  expect these well short of it). Tested under Triton's interpreter; not yet run natively on a GPU.
+- Forward only: no backward kernel (training uses torch's grouped GEMM).
+- Tile sizes are fixed and untuned, chosen without a GPU at hand. Tested under Triton's interpreter; not yet
+  run natively on a GPU.
 """
 
 import torch
 import torch.nn.functional as F
 
-from kernels import cdiv, pow2, tl, triton, use_triton
+from kernels import cdiv, tl, triton, use_triton
 
 # -----------------------------------------------------------------------------
 # 3. Grouped expert matmuls (model.MoE's experts): rows of x sorted by expert; offsets (E + 1,) with
@@ -194,174 +190,3 @@ def moe_experts(x, ids, weights, w_gate, w_up, w_down):
     h = grouped_swiglu(x[token_of], offsets, w_gate, w_up)  # (N * k, F)
     out = grouped_down(h, offsets, w_down, weights.flatten()[order])  # (N * k, D), routing weight applied
     return torch.zeros_like(x).index_add_(0, token_of, out.to(x.dtype))
-
-
-# -----------------------------------------------------------------------------
-# 4. W4A8 (the GLM-5 report's deployment): weights as signed INT4 in [-8, 7], two per byte along K
-#    (low nibble = even k), with scales per output channel (group_size None) or per group of group_size
-#    inputs; activations as INT8 in [-127, 127] with one scale per token.
-#    y = x_scale[m] * sum_g w_scale[n, g] * sum_{k in g} xq[m, k] wq[n, k]
-
-
-def pack_int4(w, group_size=None):
-    """w (N, K) float -> packed (N, K // 2) int8 and scales (N, K // group_size) fp32 (symmetric,
-    absmax / 7)."""
-    N, K = w.shape
-    g = group_size or K
-    if K % 2 or K % g:
-        raise ValueError(
-            f"pack_int4 needs an even K divisible by group_size; got K={K}, group_size={group_size}"
-        )
-    wg = w.float().view(N, K // g, g)
-    scale = wg.abs().amax(-1).clamp_min(1e-12) / 7  # (N, G)
-    q = torch.round(wg / scale[..., None]).clamp(-8, 7).to(torch.int32).view(N, K)
-    packed = (q[:, 0::2] & 0xF) | ((q[:, 1::2] & 0xF) << 4)  # (N, K // 2) in 0..255
-    return packed.to(torch.uint8).view(torch.int8), scale
-
-
-def unpack_int4(packed):
-    """(N, K // 2) int8 -> (N, K) int8 in [-8, 7]: the low nibble sign-extended, then the high one."""
-    p = packed.to(torch.int32)
-    lo, hi = ((p & 0xF) ^ 8) - 8, p >> 4  # arithmetic shift: the high nibble keeps the byte's sign
-    return torch.stack([lo, hi], dim=-1).flatten(-2).to(torch.int8)
-
-
-def quantize_act_ref(x):
-    x = x.float()
-    scale = x.abs().amax(-1).clamp_min(1e-12) / 127  # (M,)
-    return torch.floor(x / scale[:, None] + 0.5).clamp(-127, 127).to(torch.int8), scale
-
-
-@triton.jit
-def quantize_act_kernel(X, XQ, SCALE, K, sx, sq, BLOCK_K: tl.constexpr):
-    # one program per token row: pass 1 finds the absmax, pass 2 writes round-half-up(x / scale)
-    row = tl.program_id(0).to(tl.int64)
-    amax = tl.zeros((BLOCK_K,), tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        amax = tl.maximum(amax, tl.abs(tl.load(X + row * sx + k, mask=k < K, other=0.0).to(tl.float32)))
-    scale = tl.div_rn(tl.maximum(tl.max(amax), 1e-12), 127.0)  # IEEE division, as torch's
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(X + row * sx + k, mask=k < K, other=0.0).to(tl.float32)
-        q = tl.minimum(tl.maximum(tl.floor(tl.div_rn(x, scale) + 0.5), -127.0), 127.0)
-        tl.store(XQ + row * sq + k, q.to(tl.int8), mask=k < K)
-    tl.store(SCALE + row, scale)
-
-
-def quantize_act(x, block_k=1024):
-    """Per-token dynamic symmetric INT8: x (M, K) -> x_q (M, K) int8, scale (M,) fp32; x ~ x_q * scale."""
-    if not use_triton(x):
-        return quantize_act_ref(x)
-    M, K = x.shape
-    x = x.contiguous()
-    xq = torch.empty(M, K, device=x.device, dtype=torch.int8)
-    scale = torch.empty(M, device=x.device, dtype=torch.float32)
-    quantize_act_kernel[(M,)](x, xq, scale, K, x.stride(0), xq.stride(0), BLOCK_K=min(block_k, pow2(K)))
-    return xq, scale
-
-
-def w4a8_matmul_ref(xq, x_scale, packed, w_scale, out_dtype=torch.float32):
-    """The same integer math in torch. The group sums are integers below 2^24 (|xq wq| <= 127 * 8, so for
-    groups up to 16K inputs), which fp32 holds exactly: an fp32 matmul gives exact integer sums."""
-    M, K = xq.shape
-    N, G = w_scale.shape
-    wq = unpack_int4(packed)
-    # (M, N, G)
-    acc = torch.einsum("mgk,ngk->mng", xq.view(M, G, K // G).float(), wq.view(N, G, K // G).float())
-    return ((acc * w_scale[None]).sum(-1) * x_scale[:, None]).to(out_dtype)
-
-
-@triton.jit
-def w4a8_matmul_kernel(
-    XQ,
-    XS,
-    WP,
-    WS,
-    Y,
-    M,
-    N,
-    K,
-    GROUP,
-    sx,
-    sw,
-    sws,
-    sy,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for g0 in range(0, K, GROUP):  # one scale group at a time (per-channel: one group, GROUP = K)
-        acc_i = tl.zeros((BLOCK_M, BLOCK_N), tl.int32)  # exact integer sum within the group
-        for k0 in range(g0, tl.minimum(g0 + GROUP, K), BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            x = tl.load(
-                XQ + m[:, None].to(tl.int64) * sx + k[None, :],
-                mask=(m[:, None] < M) & (k[None, :] < K),
-                other=0,
-            )
-            kp = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # packed bytes: two weights each
-            p = tl.load(
-                WP + n[:, None].to(tl.int64) * sw + kp[None, :],
-                mask=(n[:, None] < N) & (kp[None, :] < K // 2),
-                other=0,
-            )
-            lo = (p << 4) >> 4  # int8 shifts: the low nibble, sign-extended
-            hi = p >> 4  # the high nibble (arithmetic shift keeps the sign)
-            w = tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K))  # interleave back: k = 2j (lo), 2j + 1 (hi)
-            acc_i += tl.dot(x, tl.trans(w), out_dtype=tl.int32)  # int8 x int8 -> int32 tensor cores
-        w_scale = tl.load(WS + n * sws + g0 // GROUP, mask=n < N, other=0.0)
-        acc += acc_i.to(tl.float32) * w_scale[None, :]
-    y = acc * tl.load(XS + m, mask=m < M, other=0.0)[:, None]
-    tl.store(
-        Y + m[:, None].to(tl.int64) * sy + n[None, :],
-        y.to(Y.dtype.element_ty),
-        mask=(m[:, None] < M) & (n[None, :] < N),
-    )
-
-
-def w4a8_matmul(xq, x_scale, packed, w_scale, out_dtype=torch.float32, block_m=32, block_n=64, block_k=128):
-    """xq (M, K) int8, x_scale (M,), packed (N, K // 2) int8, w_scale (N, G) -> y (M, N) in out_dtype."""
-    if not use_triton(xq):
-        return w4a8_matmul_ref(xq, x_scale, packed, w_scale, out_dtype)
-    M, K = xq.shape
-    N, G = w_scale.shape
-    group = K // G
-    block_k = min(block_k, group) if G > 1 else block_k  # a group is a whole number of K tiles
-    if G > 1 and (group % block_k or block_k < 16 or block_k & (block_k - 1)):
-        raise ValueError(f"w4a8_matmul needs group_size a power of two >= 16, got {group}")
-    xq, packed, w_scale = xq.contiguous(), packed.contiguous(), w_scale.contiguous()
-    y = torch.empty(M, N, device=xq.device, dtype=out_dtype)
-    w4a8_matmul_kernel[(cdiv(M, block_m), cdiv(N, block_n))](
-        xq,
-        x_scale,
-        packed,
-        w_scale,
-        y,
-        M,
-        N,
-        K,
-        group,
-        xq.stride(0),
-        packed.stride(0),
-        w_scale.stride(0),
-        y.stride(0),
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
-        num_warps=4,
-        num_stages=3,
-    )
-    return y
-
-
-def w4a8_linear(x, packed, w_scale):
-    """F.linear(x, W) with W stored by pack_int4: x (..., K) -> (..., N) in x's dtype, through INT8
-    activations."""
-    xq, x_scale = quantize_act(x.reshape(-1, x.shape[-1]))
-    y = w4a8_matmul(xq, x_scale, packed, w_scale, out_dtype=x.dtype)
-    return y.view(*x.shape[:-1], -1)
