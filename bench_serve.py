@@ -24,7 +24,7 @@ Serving benchmarks for engine.py, each measured side by side in one run on the s
                 64 latent, the indexer's 32 heads x 128, top-2048; GLM-5 report, section 2; DeepSeek-V3.2
                 report), batch 1, at 16K and 64K cached tokens: DSA (indexer over all keys, attention over
                 2048 selected latents) against dense attention over all of them, with model.KVCache
-                (contiguous), engine.PagedCache read in place (as the engine runs: the index keys scored
+                (contiguous), paged_cache.PagedCache read in place (as the engine runs: the index keys scored
                 in the pool, only the selected latent rows read) and PagedCache gathering each history
                 (the reference path). Next to each time: the least the step must read (the weights, the
                 index keys and the selected latents; dense: every latent) and the bound that sets at the
@@ -52,6 +52,8 @@ import time
 import torch
 
 import engine
+import paged_cache
+import sampling
 import model as glm
 import weights
 from bench_train import describe_machine
@@ -89,13 +91,13 @@ def timed(fn, dev):
 
 
 def bench_throughput(m, tok, prompts, n_new, batches, n_naive, dev):
-    greedy = engine.SamplingParams(max_tokens=n_new, temperature=0, ignore_eos=True)
+    greedy = sampling.SamplingParams(max_tokens=n_new, temperature=0, ignore_eos=True)
     pages = -(-(len(prompts[0]) + n_new) // 16) * max(batches) + 8
 
     def make_engine(batch):
         return engine.Engine(m, tok, num_pages=pages, page_size=16, max_batch=batch, prefix_cache=False)
 
-    warm_up = engine.SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    warm_up = sampling.SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     make_engine(1).generate(prompts[:1], warm_up)
     naive, t_naive = timed(lambda: [naive_generate(m, p, n_new) for p in prompts[:n_naive]], dev)
     naive_tps = n_naive * n_new / t_naive
@@ -120,14 +122,14 @@ def bench_throughput(m, tok, prompts, n_new, batches, n_naive, dev):
 
 
 def bench_mtp(m, tok, prompts, n_new, drafts, dev):
-    greedy = engine.SamplingParams(max_tokens=n_new, temperature=0, ignore_eos=True)
+    greedy = sampling.SamplingParams(max_tokens=n_new, temperature=0, ignore_eos=True)
     pages = -(-(len(prompts[0]) + n_new + 8) // 16) + 4
 
     def run(n):  # batch 1: one request after another
         eng = engine.Engine(
             m, tok, num_pages=pages, page_size=16, max_batch=1, spec_tokens=n, prefix_cache=False
         )
-        warm_up = engine.SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+        warm_up = sampling.SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
         eng.generate(prompts[:1], warm_up)
         rs, t = timed(lambda: [eng.generate([p], greedy)[0] for p in prompts], dev)
         return rs, t
@@ -170,7 +172,7 @@ def step_costs(m, tok, prompt, n, dev, reps=5):
     """Median seconds, batch 1, of a decode step, one MTP block forward and a verify forward over n + 1
     tokens, each through the engine's own paged forward (the cost model behind the break-even length)."""
     eng = engine.Engine(m, tok, num_pages=64, page_size=16, max_batch=1, spec_tokens=n, prefix_cache=False)
-    r = eng.submit(prompt, engine.SamplingParams(max_tokens=n + 8, temperature=0, ignore_eos=True))
+    r = eng.submit(prompt, sampling.SamplingParams(max_tokens=n + 8, temperature=0, ignore_eos=True))
     eng.step()  # prefilled, one token decoded
     base = [len(r.tokens) - 1]
     one = torch.tensor([[r.tokens[-1]]], device=dev)
@@ -220,7 +222,7 @@ def bench_dsa(contexts, reps, dev, dtype):
     for S in contexts:
         paged = {}
         for in_place in (True, False):
-            paged[in_place] = engine.PagedCache(cfg, -(-(S + 1) // 64), 64, dev, dtype, in_place=in_place)
+            paged[in_place] = paged_cache.PagedCache(cfg, -(-(S + 1) // 64), 64, dev, dtype, in_place=in_place)
             paged[in_place].point(torch.arange(paged[in_place].num_pages, device=dev)[None], S + 1)
         caches = {
             "KVCache": glm.KVCache(cfg, 1, S + 1, device=dev, dtype=dtype),
@@ -316,7 +318,7 @@ def bench_vs_transformers(m, tok, prompts, n_new, batches, dev):
     hf = to_transformers(m)
     if hf is None:
         return []
-    greedy = engine.SamplingParams(max_tokens=n_new, temperature=0, ignore_eos=True)
+    greedy = sampling.SamplingParams(max_tokens=n_new, temperature=0, ignore_eos=True)
     pages = -(-(len(prompts[0]) + n_new) // 16) * max(batches) + 8
     hf_generate(hf, prompts[:1], 4)  # warm-up, both
     engine.Engine(m, tok, num_pages=pages, max_batch=1, prefix_cache=False).generate(prompts[:1], greedy)
@@ -372,7 +374,7 @@ def bench_mixed(m, tok, n, mean_gap, max_batch, dev, loader):
             now = time.perf_counter() - t0
             while pending and pending[0][0] <= now:
                 t, i, p, k = pending.pop(0)
-                sp = engine.SamplingParams(max_tokens=k, temperature=0, ignore_eos=True)
+                sp = sampling.SamplingParams(max_tokens=k, temperature=0, ignore_eos=True)
                 live.append((i, t, eng.submit(p, sp)))
             if not live:  # idle until the next arrival
                 time.sleep(max(0.0, pending[0][0] - now))

@@ -69,7 +69,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import torch
 
 import chat
-from engine import Engine, EngineFull, SamplingParams, VersionConflict, load_model
+from engine import Engine, EngineFull, VersionConflict, load_model
+from sampling import SamplingParams
 from protocol import (
     FIELDS,
     APIError,
