@@ -6,8 +6,11 @@ Serving benchmarks for engine.py, each measured side by side in one run on the s
                 names are the released ones, transformers stacks the experts), sparse attention, greedy, at
                 batch 1, 8 and 32 (one batch, all prompts of one length), and a mixed workload: requests of
                 16-128 prompt and 8-96 output tokens arriving over time, which the engine batches
-                continuously and generate serves as left-padded batches of what has arrived. Outputs are
-                compared token for token. transformers is optional: without it this part says so.
+                continuously and generate serves as left-padded batches of what has arrived. At batch 1,
+                8 and 32 the engine runs twice: eager, and with its decode step compiled (compile_decode:
+                torch.compile, batches padded to powers of two; its compile time printed, not counted;
+                --no_compile leaves it out). Outputs are compared token for token. transformers is
+                optional: without it this part says so.
 1. throughput   engine.Engine (paged latent cache, continuous batching) at batch 1, 8 and 32 against a
                 naive loop that re-runs the full forward over the whole sequence for every new token, one
                 request at a time (no cache, no batching). Greedy; the engine's tokens are checked against
@@ -222,7 +225,8 @@ def bench_dsa(contexts, reps, dev, dtype):
     for S in contexts:
         paged = {}
         for in_place in (True, False):
-            paged[in_place] = paged_cache.PagedCache(cfg, -(-(S + 1) // 64), 64, dev, dtype, in_place=in_place)
+            pages = -(-(S + 1) // 64)
+            paged[in_place] = paged_cache.PagedCache(cfg, pages, 64, dev, dtype, in_place=in_place)
             paged[in_place].point(torch.arange(paged[in_place].num_pages, device=dev)[None], S + 1)
         caches = {
             "KVCache": glm.KVCache(cfg, 1, S + 1, device=dev, dtype=dtype),
@@ -312,28 +316,46 @@ def hf_generate(hf, prompts, n_new):
     return out[:, T:].tolist()
 
 
-def bench_vs_transformers(m, tok, prompts, n_new, batches, dev):
-    """Same prompts, greedy, whole batches: the engine (one request per row, continuous batching) against
-    transformers' generate (the batch at once). Outputs are compared token for token."""
+def bench_vs_transformers(m, tok, prompts, n_new, batches, dev, compiled=True):
+    """Same prompts, greedy, whole batches: the engine (one request per row, continuous batching), eager and
+    with its decode step compiled (compile_decode: torch.compile, batches padded to powers of two), against
+    transformers' generate (the batch at once). Outputs are compared token for token. The compiled engine
+    is warmed up at every batch first (its graphs compiled: the time is printed, not counted)."""
     hf = to_transformers(m)
     if hf is None:
         return []
     greedy = sampling.SamplingParams(max_tokens=n_new, temperature=0, ignore_eos=True)
     pages = -(-(len(prompts[0]) + n_new) // 16) * max(batches) + 8
+
+    def make_engine(b, compile_decode):
+        return engine.Engine(
+            m, tok, num_pages=pages, max_batch=b, prefix_cache=False, compile_decode=compile_decode
+        )
+
     hf_generate(hf, prompts[:1], 4)  # warm-up, both
-    engine.Engine(m, tok, num_pages=pages, max_batch=1, prefix_cache=False).generate(prompts[:1], greedy)
+    make_engine(1, False).generate(prompts[:1], greedy)
+    engines = {b: {"eager": make_engine(b, False)} for b in batches}
+    if compiled:
+        warm_up = sampling.SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+        t0 = time.perf_counter()
+        try:
+            for b in batches:  # two steps at two history lengths: the length then compiles as dynamic
+                engines[b]["compiled"] = make_engine(b, True)
+                engines[b]["compiled"].generate(prompts[:b], warm_up)
+            print(f"compiled decode: graphs for batches {batches} built in {time.perf_counter() - t0:.0f}s")
+        except Exception as e:  # no C++ compiler for inductor, an unsupported platform
+            print(f"compiled decode skipped: torch.compile failed ({type(e).__name__}: {str(e)[:200]})")
+            engines = {b: {"eager": e["eager"]} for b, e in engines.items()}
     rows = []
     for b in batches:
-        eng = engine.Engine(m, tok, num_pages=pages, page_size=16, max_batch=b, prefix_cache=False)
         ref, t_hf = timed(lambda: hf_generate(hf, prompts[:b], n_new), dev)
-        rs, t = timed(lambda: eng.generate(prompts[:b], greedy), dev)
-        same = sum(r.out == o for r, o in zip(rs, ref))
-        rows.append((b, t_hf / t, same))
-        print(
-            f"batch {b:>2}: engine {b * n_new / t:7.1f} tok/s, transformers generate {b * n_new / t_hf:7.1f} "
-            f"tok/s: {t_hf / t:.2f}x; {same}/{b} outputs identical",
-            flush=True,
-        )
+        line = f"batch {b:>2}: transformers generate {b * n_new / t_hf:7.1f} tok/s"
+        for name, eng in engines[b].items():
+            rs, t = timed(lambda: eng.generate(prompts[:b], greedy), dev)
+            same = sum(r.out == o for r, o in zip(rs, ref))
+            rows.append((b, name, t_hf / t, same))
+            line += f"; engine {name} {b * n_new / t:7.1f} tok/s = {t_hf / t:.2f}x ({same}/{b} identical)"
+        print(line, flush=True)
     return rows
 
 
@@ -435,6 +457,7 @@ def main():
     ap.add_argument("--mixed_requests", type=int, default=48, help="requests in the mixed-length workload")
     ap.add_argument("--mixed_gap", type=float, default=0.05, help="mean gap between their arrivals, in s")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--no_compile", action="store_true", help="part 0 without the compiled decode step")
     ap.add_argument(
         "--threads", type=int, default=0, help="torch threads (0: torch's default); 1 on a busy machine"
     )
@@ -474,7 +497,7 @@ def main():
         )
         mode = m.config.dsa_mode
         m.config.dsa_mode = "sparse"  # transformers' model always selects; the toy pretrains dense
-        bench_vs_transformers(m, tok, prompts, a.new_tokens, batches, dev)
+        bench_vs_transformers(m, tok, prompts, a.new_tokens, batches, dev, not a.no_compile)
         bench_mixed(m, tok, a.mixed_requests, a.mixed_gap, max(batches), dev, loader)
         m.config.dsa_mode = mode
     if "throughput" in parts:

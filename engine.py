@@ -40,16 +40,21 @@ Prefill is batched: every request admitted in a step is prefilled in that step, 
 right-padded into one forward (the padding writes to a scratch page), prompts longer than prefill_chunk in
 chunks; then the step decodes every running row, the new ones included. Sampling is batched over the rows
 (one host sync per step); the model's forward itself never reads a value back (the cache's length is set
-on the host).
+on the host). Engine(compile_decode=True) (serve.py --compile) runs the plain decode step's forward through
+torch.compile (PyTorch 2 paper, Ansel et al. 2024; inductor fuses the small ops a toy step is made of): the
+batch is padded up to a power of two (decode_bucket; the padding rows write to the scratch page and are
+dropped), so one graph per bucket serves every batch, and the history's length is a dynamic dimension.
 
-Honest limits: a long prompt's chunks all run in the step that admits it (vLLM interleaves them with
-other rows' decode steps, which keeps decode latency flat); rows of very different lengths prefill in
-separate forwards. Pages for prompt + max_tokens are reserved at admission (no preemption). One process,
-one device. The MTP block's drafts 2..N reuse its cache slots at the next positions, an approximation that
-lowers the accept rate but never changes the output. A weight update holds two copies of the weights
-while it loads, and recomputes each running request's cache with one prefill (AReaL's choice; SGLang can
-also keep the stale cache or abort); weights come from disk only (no torch.distributed broadcast from the
-trainer).
+Honest limits: a long prompt's chunks all run in the step that admits it (vLLM interleaves them with other
+rows' decode steps, which keeps decode latency flat); rows of very different lengths prefill in separate
+forwards. Pages for prompt + max_tokens are reserved at admission (no preemption). One process, one
+device. compile_decode covers the plain decode step only (prefill, MTP drafts and verify forwards run
+eager); each bucket compiles on first use (tens of seconds per graph on a CPU), and its greedy outputs
+equal the eager path's in the tests, not bit for bit its logits (fused kernels round differently). The MTP
+block's drafts 2..N reuse its cache slots at the next positions, an approximation that lowers the accept
+rate but never changes the output. A weight update holds two copies of the weights while it loads, and
+recomputes each running request's cache with one prefill (AReaL's choice; SGLang can also keep the stale
+cache or abort); weights come from disk only (no torch.distributed broadcast from the trainer).
 """
 
 import collections
@@ -105,6 +110,12 @@ def load_model(path, device="cpu", dtype=None):
 
 # -----------------------------------------------------------------------------
 # Scheduling: which admitted rows prefill together
+
+
+def decode_bucket(n, max_batch):
+    """A compiled decode step's batch size for n rows: the next power of two, at most max_batch. Padding a
+    step of n rows up to it keeps the graphs to about log2(max_batch) (1, 2, 4, .., 32)."""
+    return min(1 << (n - 1).bit_length(), max(max_batch, n))
 
 
 def similar_lengths(rows, lengths, chunk, waste=0.25):
@@ -190,6 +201,7 @@ class Engine:
         version=0,
         prefill_chunk=512,
         in_place=True,
+        compile_decode=False,
     ):
         self.model = model
         self.tok = tok
@@ -216,6 +228,11 @@ class Engine:
         self.stats = collections.Counter()  # prefill_tokens, cached_tokens, decode_steps, recomputed_tokens
         self.version = version  # the policy version of the weights in use; it only increases
         self.step_lock = threading.Lock()  # held by step(); a weight update swaps between two steps
+        self.compiled = None  # compile_decode: decode_logits through torch.compile (inductor), else eager
+        if compile_decode:
+            # one graph per batch bucket; the history's length is a dynamic dimension, not a recompile
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
+            self.compiled = torch.compile(self.decode_logits, dynamic=None)
 
     # --- submission ---------------------------------------------------------------------
 
@@ -379,15 +396,16 @@ class Engine:
 
     # --- the model, run over pages ------------------------------------------------------
 
-    def place(self, rows, starts, T):
+    def place(self, rows, starts, T, pad=0):
         """Point the cache at these rows' pages. starts: each row's first position (host ints) ->
         positions (B, T) and their RoPE cos, sin. A row's positions past its own pages (right padding)
-        land on the scratch page."""
+        land on the scratch page; so do `pad` extra rows at position 0 (a compiled step's batch bucket)."""
         P = self.cache.page_size
         n = max(max(len(r.pages) for r in rows), -(-(max(starts) + T) // P))
         tables = [r.pages + [self.cache.scratch] * (n - len(r.pages)) for r in rows]
+        tables += [[self.cache.scratch] * n] * pad
         self.cache.point(torch.tensor(tables, device=self.device), max(starts) + T)  # tables (B, n)
-        start = torch.tensor(starts, device=self.device)
+        start = torch.tensor(starts + [0] * pad, device=self.device)
         positions = start.view(-1, 1) + torch.arange(T, device=self.device)  # (B, T)
         c = self.cfg
         dtype = upcast(self.model.lm_head.weight).dtype
@@ -397,12 +415,20 @@ class Engine:
     def forward(self, ids, starts, rows):
         """ids (B, T), starts: each row's first position -> h (B, T, D), the main stack's last hidden
         state (GLM5.forward's, over the pages); logits() puts the head on the positions wanted."""
-        m = self.model
         positions, cos, sin = self.place(rows, starts, ids.shape[1])
+        return self.layers(ids, positions, cos, sin)
+
+    def layers(self, ids, positions, cos, sin):
+        """The main stack over the pages the cache points at: ids (B, T) -> h (B, T, D)."""
+        m = self.model
         h = m.model.embed_tokens(ids)
         for layer in m.model.layers:
             h, _, _ = layer(h, cos, sin, positions, self.cache)
         return h
+
+    def decode_logits(self, ids, positions, cos, sin):
+        """One decode step's forward: ids (B, 1) -> logits (B, V). What compile_decode=True compiles."""
+        return self.logits(self.layers(ids, positions, cos, sin)[:, -1])
 
     def logits(self, h, last=None):
         """h (B, T, D) -> logits (B, T, V), or (B, V) at one position per row: last[i] for row i."""
@@ -423,10 +449,18 @@ class Engine:
     # --- decoding: plain, or speculative with the MTP block -----------------------------
 
     def decode_step(self, rows):
-        ids = torch.tensor([[r.tokens[-1]] for r in rows], device=self.device)  # (B, 1)
-        h = self.forward(ids, [len(r.tokens) - 1 for r in rows], rows)
+        """One token for every running row. Compiled (compile_decode=True), the batch is padded up to its
+        bucket (decode_bucket) with rows on the scratch page, so a few graphs cover every batch size."""
+        ids = [[r.tokens[-1]] for r in rows]
+        pad = 0 if self.compiled is None else decode_bucket(len(rows), self.max_batch) - len(rows)
+        positions, cos, sin = self.place(rows, [len(r.tokens) - 1 for r in rows], 1, pad)
+        ids = torch.tensor(ids + [[0]] * pad, device=self.device)  # (B + pad, 1)
+        if self.compiled is None:
+            logits = self.decode_logits(ids, positions, cos, sin)
+        else:
+            logits = self.compiled(ids, positions, cos, sin)[: len(rows)]  # (B, V)
         self.stats["decode_steps"] += 1
-        self.sample_append(rows, self.logits(h[:, -1]))
+        self.sample_append(rows, logits)
 
     def spec_step(self, rows):
         """MTP drafts N tokens per row, one forward verifies [last token, drafts], the acceptance rule

@@ -119,6 +119,41 @@ def test_attention_over_the_page_pool_in_place_equals_the_gathered_history(ckpt,
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=1e-9)
 
 
+def inductor_or_skip():
+    """torch.compile's CPU backend (inductor) needs a working C++ compiler: skip, saying so, without one."""
+    try:
+        torch.compile(lambda x: x * 2 + 1)(torch.ones(3))
+    except Exception as e:  # no compiler, an unsupported platform: the engine's eager path is tested anyway
+        pytest.skip(f"torch.compile (inductor) is unavailable here: {type(e).__name__}: {e}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("num_pages", [64, 24])
+def test_compiled_decode_equals_eager(ckpt, one_thread, num_pages):
+    """compile_decode=True: the decode forward through torch.compile, the batch padded to its bucket (4,
+    then 3 rows run as 4, 2, 1) with the padding on the scratch page, the history's length dynamic.
+    In fp32 (the grouped experts, as served): greedy outputs equal the eager engine's and logprobs agree
+    to fp32 rounding; with a pool of just the pages reserved (24) the last steps read it in place."""
+    inductor_or_skip()
+    m = engine.load_model(ckpt[0]).float()
+    sps = [dataclasses.replace(GREEDY, max_tokens=n, logprobs=1) for n in (16, 5, 9, 3)]
+    prompts = [list(range(30, 70)), PROMPTS[1], list(range(100, 110)), PROMPTS[3]]  # 14 + 2 + 5 + 3 pages
+    out = {}
+    for compiled in (False, True):
+        eng = engine.Engine(m, ckpt[1], num_pages=num_pages, page_size=4, compile_decode=compiled)
+        rs = [eng.submit(p, sp) for p, sp in zip(prompts, sps)]
+        while eng.step():
+            pass
+        out[compiled] = rs
+        assert eng.cache.available() == eng.cache.num_pages
+        assert (eng.cache.rows is not None) == (num_pages == 24)  # the last step: in place, or gathered
+    for a, b in zip(out[False], out[True]):
+        assert a.out == b.out
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=1e-4)
+    assert engine.decode_bucket(3, 32) == 4 and engine.decode_bucket(17, 24) == 24
+    assert engine.decode_bucket(1, 32) == 1 and engine.decode_bucket(33, 32) == 33
+
+
 def test_prefill_groups_rows_of_similar_length():
     rows = list("abcde")
     assert engine.similar_lengths(rows, [8, 8, 8, 8, 8], 512) == [rows]
