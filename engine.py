@@ -49,12 +49,13 @@ Honest limits: a long prompt's chunks all run in the step that admits it (vLLM i
 rows' decode steps, which keeps decode latency flat); rows of very different lengths prefill in separate
 forwards. Pages for prompt + max_tokens are reserved at admission (no preemption). One process, one
 device. compile_decode covers the plain decode step only (prefill, MTP drafts and verify forwards run
-eager); each bucket compiles on first use (tens of seconds per graph on a CPU), and its greedy outputs
-equal the eager path's in the tests, not bit for bit its logits (fused kernels round differently). The MTP
-block's drafts 2..N reuse its cache slots at the next positions, an approximation that lowers the accept
-rate but never changes the output. A weight update holds two copies of the weights while it loads, and
-recomputes each running request's cache with one prefill (AReaL's choice; SGLang can also keep the stale
-cache or abort); weights come from disk only (no torch.distributed broadcast from the trainer).
+eager); each bucket compiles on first use, up to three graphs (a first length, any length, a length on a
+page boundary; tens of seconds each on a CPU), and its greedy outputs equal the eager path's in the tests,
+not bit for bit its logits (fused kernels round differently). The MTP block's drafts 2..N reuse its cache
+slots at the next positions, an approximation that lowers the accept rate but never changes the output. A
+weight update holds two copies of the weights while it loads, and recomputes each running request's cache
+with one prefill (AReaL's choice; SGLang can also keep the stale cache or abort); weights come from disk
+only (no torch.distributed broadcast from the trainer).
 """
 
 import collections
@@ -396,12 +397,13 @@ class Engine:
 
     # --- the model, run over pages ------------------------------------------------------
 
-    def place(self, rows, starts, T, pad=0):
+    def place(self, rows, starts, T, pad=0, width=0):
         """Point the cache at these rows' pages. starts: each row's first position (host ints) ->
         positions (B, T) and their RoPE cos, sin. A row's positions past its own pages (right padding)
-        land on the scratch page; so do `pad` extra rows at position 0 (a compiled step's batch bucket)."""
+        land on the scratch page; so do `pad` extra rows at position 0 (a compiled step's batch bucket).
+        width: the page tables' least width (a compiled step's is fixed, so no page count recompiles)."""
         P = self.cache.page_size
-        n = max(max(len(r.pages) for r in rows), -(-(max(starts) + T) // P))
+        n = max(max(len(r.pages) for r in rows), -(-(max(starts) + T) // P), width)
         tables = [r.pages + [self.cache.scratch] * (n - len(r.pages)) for r in rows]
         tables += [[self.cache.scratch] * n] * pad
         self.cache.point(torch.tensor(tables, device=self.device), max(starts) + T)  # tables (B, n)
@@ -452,8 +454,11 @@ class Engine:
         """One token for every running row. Compiled (compile_decode=True), the batch is padded up to its
         bucket (decode_bucket) with rows on the scratch page, so a few graphs cover every batch size."""
         ids = [[r.tokens[-1]] for r in rows]
-        pad = 0 if self.compiled is None else decode_bucket(len(rows), self.max_batch) - len(rows)
-        positions, cos, sin = self.place(rows, [len(r.tokens) - 1 for r in rows], 1, pad)
+        pad = width = 0
+        if self.compiled is not None:
+            pad = decode_bucket(len(rows), self.max_batch) - len(rows)
+            width = -(-(self.max_model_len + self.spec + 1) // self.cache.page_size)  # a row's most pages
+        positions, cos, sin = self.place(rows, [len(r.tokens) - 1 for r in rows], 1, pad, width)
         ids = torch.tensor(ids + [[0]] * pad, device=self.device)  # (B + pad, 1)
         if self.compiled is None:
             logits = self.decode_logits(ids, positions, cos, sin)
