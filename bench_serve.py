@@ -6,8 +6,11 @@ Serving benchmarks for engine.py, each measured side by side in one run on the s
                 names are the released ones, transformers stacks the experts), sparse attention, greedy, at
                 batch 1, 8 and 32 (one batch, all prompts of one length), and a mixed workload: requests of
                 16-128 prompt and 8-96 output tokens arriving over time, which the engine batches
-                continuously and generate serves as left-padded batches of what has arrived. Outputs are
-                compared token for token. transformers is optional: without it this part says so.
+                continuously and generate serves as left-padded batches of what has arrived. At batch 1,
+                8 and 32 the engine runs twice: eager, and with its decode step compiled (compile_decode:
+                torch.compile, batches padded to powers of two; its compile time printed, not counted;
+                --no_compile leaves it out). Outputs are compared token for token. transformers is
+                optional: without it this part says so.
 1. throughput   engine.Engine (paged latent cache, continuous batching) at batch 1, 8 and 32 against a
                 naive loop that re-runs the full forward over the whole sequence for every new token, one
                 request at a time (no cache, no batching). Greedy; the engine's tokens are checked against
@@ -24,7 +27,7 @@ Serving benchmarks for engine.py, each measured side by side in one run on the s
                 64 latent, the indexer's 32 heads x 128, top-2048; GLM-5 report, section 2; DeepSeek-V3.2
                 report), batch 1, at 16K and 64K cached tokens: DSA (indexer over all keys, attention over
                 2048 selected latents) against dense attention over all of them, with model.KVCache
-                (contiguous), engine.PagedCache read in place (as the engine runs: the index keys scored
+                (contiguous), paged_cache.PagedCache read in place (as the engine runs: the index keys scored
                 in the pool, only the selected latent rows read) and PagedCache gathering each history
                 (the reference path). Next to each time: the least the step must read (the weights, the
                 index keys and the selected latents; dense: every latent) and the bound that sets at the
@@ -52,6 +55,8 @@ import time
 import torch
 
 import engine
+import paged_cache
+import sampling
 import model as glm
 import weights
 from bench_train import describe_machine
@@ -89,13 +94,13 @@ def timed(fn, dev):
 
 
 def bench_throughput(m, tok, prompts, n_new, batches, n_naive, dev):
-    greedy = engine.SamplingParams(max_tokens=n_new, temperature=0, ignore_eos=True)
+    greedy = sampling.SamplingParams(max_tokens=n_new, temperature=0, ignore_eos=True)
     pages = -(-(len(prompts[0]) + n_new) // 16) * max(batches) + 8
 
     def make_engine(batch):
         return engine.Engine(m, tok, num_pages=pages, page_size=16, max_batch=batch, prefix_cache=False)
 
-    warm_up = engine.SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    warm_up = sampling.SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     make_engine(1).generate(prompts[:1], warm_up)
     naive, t_naive = timed(lambda: [naive_generate(m, p, n_new) for p in prompts[:n_naive]], dev)
     naive_tps = n_naive * n_new / t_naive
@@ -120,14 +125,14 @@ def bench_throughput(m, tok, prompts, n_new, batches, n_naive, dev):
 
 
 def bench_mtp(m, tok, prompts, n_new, drafts, dev):
-    greedy = engine.SamplingParams(max_tokens=n_new, temperature=0, ignore_eos=True)
+    greedy = sampling.SamplingParams(max_tokens=n_new, temperature=0, ignore_eos=True)
     pages = -(-(len(prompts[0]) + n_new + 8) // 16) + 4
 
     def run(n):  # batch 1: one request after another
         eng = engine.Engine(
             m, tok, num_pages=pages, page_size=16, max_batch=1, spec_tokens=n, prefix_cache=False
         )
-        warm_up = engine.SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+        warm_up = sampling.SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
         eng.generate(prompts[:1], warm_up)
         rs, t = timed(lambda: [eng.generate([p], greedy)[0] for p in prompts], dev)
         return rs, t
@@ -170,7 +175,7 @@ def step_costs(m, tok, prompt, n, dev, reps=5):
     """Median seconds, batch 1, of a decode step, one MTP block forward and a verify forward over n + 1
     tokens, each through the engine's own paged forward (the cost model behind the break-even length)."""
     eng = engine.Engine(m, tok, num_pages=64, page_size=16, max_batch=1, spec_tokens=n, prefix_cache=False)
-    r = eng.submit(prompt, engine.SamplingParams(max_tokens=n + 8, temperature=0, ignore_eos=True))
+    r = eng.submit(prompt, sampling.SamplingParams(max_tokens=n + 8, temperature=0, ignore_eos=True))
     eng.step()  # prefilled, one token decoded
     base = [len(r.tokens) - 1]
     one = torch.tensor([[r.tokens[-1]]], device=dev)
@@ -220,7 +225,8 @@ def bench_dsa(contexts, reps, dev, dtype):
     for S in contexts:
         paged = {}
         for in_place in (True, False):
-            paged[in_place] = engine.PagedCache(cfg, -(-(S + 1) // 64), 64, dev, dtype, in_place=in_place)
+            pages = -(-(S + 1) // 64)
+            paged[in_place] = paged_cache.PagedCache(cfg, pages, 64, dev, dtype, in_place=in_place)
             paged[in_place].point(torch.arange(paged[in_place].num_pages, device=dev)[None], S + 1)
         caches = {
             "KVCache": glm.KVCache(cfg, 1, S + 1, device=dev, dtype=dtype),
@@ -310,28 +316,48 @@ def hf_generate(hf, prompts, n_new):
     return out[:, T:].tolist()
 
 
-def bench_vs_transformers(m, tok, prompts, n_new, batches, dev):
-    """Same prompts, greedy, whole batches: the engine (one request per row, continuous batching) against
-    transformers' generate (the batch at once). Outputs are compared token for token."""
+def bench_vs_transformers(m, tok, prompts, n_new, batches, dev, compiled=True):
+    """Same prompts, greedy, whole batches: the engine (one request per row, continuous batching), eager and
+    with its decode step compiled (compile_decode: torch.compile, batches padded to powers of two), against
+    transformers' generate (the batch at once). Outputs are compared token for token. The compiled engine
+    is warmed up at every batch first (its graphs compiled: the time is printed, not counted)."""
     hf = to_transformers(m)
     if hf is None:
         return []
-    greedy = engine.SamplingParams(max_tokens=n_new, temperature=0, ignore_eos=True)
+    greedy = sampling.SamplingParams(max_tokens=n_new, temperature=0, ignore_eos=True)
     pages = -(-(len(prompts[0]) + n_new) // 16) * max(batches) + 8
+
+    def make_engine(b, compile_decode):
+        return engine.Engine(
+            m, tok, num_pages=pages, max_batch=b, prefix_cache=False, compile_decode=compile_decode
+        )
+
     hf_generate(hf, prompts[:1], 4)  # warm-up, both
-    engine.Engine(m, tok, num_pages=pages, max_batch=1, prefix_cache=False).generate(prompts[:1], greedy)
+    make_engine(1, False).generate(prompts[:1], greedy)
+    engines = {b: {"eager": make_engine(b, False)} for b in batches}
+    if compiled:
+        # 20 steps: a first length, then the length as a dynamic dimension, then a history that ends on a
+        # page boundary (its gathered view is contiguous: one more graph); after that nothing recompiles
+        warm_up = sampling.SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+        t0 = time.perf_counter()
+        try:
+            for b in batches:
+                engines[b]["compiled"] = make_engine(b, True)
+                engines[b]["compiled"].generate(prompts[:b], warm_up)
+            print(f"compiled decode: graphs for batches {batches} built in {time.perf_counter() - t0:.0f}s")
+        except Exception as e:  # no C++ compiler for inductor, an unsupported platform
+            print(f"compiled decode skipped: torch.compile failed ({type(e).__name__}: {str(e)[:200]})")
+            engines = {b: {"eager": e["eager"]} for b, e in engines.items()}
     rows = []
     for b in batches:
-        eng = engine.Engine(m, tok, num_pages=pages, page_size=16, max_batch=b, prefix_cache=False)
         ref, t_hf = timed(lambda: hf_generate(hf, prompts[:b], n_new), dev)
-        rs, t = timed(lambda: eng.generate(prompts[:b], greedy), dev)
-        same = sum(r.out == o for r, o in zip(rs, ref))
-        rows.append((b, t_hf / t, same))
-        print(
-            f"batch {b:>2}: engine {b * n_new / t:7.1f} tok/s, transformers generate {b * n_new / t_hf:7.1f} "
-            f"tok/s: {t_hf / t:.2f}x; {same}/{b} outputs identical",
-            flush=True,
-        )
+        line = f"batch {b:>2}: transformers generate {b * n_new / t_hf:7.1f} tok/s"
+        for name, eng in engines[b].items():
+            rs, t = timed(lambda: eng.generate(prompts[:b], greedy), dev)
+            same = sum(r.out == o for r, o in zip(rs, ref))
+            rows.append((b, name, t_hf / t, same))
+            line += f"; engine {name} {b * n_new / t:7.1f} tok/s = {t_hf / t:.2f}x ({same}/{b} identical)"
+        print(line, flush=True)
     return rows
 
 
@@ -372,7 +398,7 @@ def bench_mixed(m, tok, n, mean_gap, max_batch, dev, loader):
             now = time.perf_counter() - t0
             while pending and pending[0][0] <= now:
                 t, i, p, k = pending.pop(0)
-                sp = engine.SamplingParams(max_tokens=k, temperature=0, ignore_eos=True)
+                sp = sampling.SamplingParams(max_tokens=k, temperature=0, ignore_eos=True)
                 live.append((i, t, eng.submit(p, sp)))
             if not live:  # idle until the next arrival
                 time.sleep(max(0.0, pending[0][0] - now))
@@ -433,6 +459,7 @@ def main():
     ap.add_argument("--mixed_requests", type=int, default=48, help="requests in the mixed-length workload")
     ap.add_argument("--mixed_gap", type=float, default=0.05, help="mean gap between their arrivals, in s")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--no_compile", action="store_true", help="part 0 without the compiled decode step")
     ap.add_argument(
         "--threads", type=int, default=0, help="torch threads (0: torch's default); 1 on a busy machine"
     )
@@ -472,7 +499,7 @@ def main():
         )
         mode = m.config.dsa_mode
         m.config.dsa_mode = "sparse"  # transformers' model always selects; the toy pretrains dense
-        bench_vs_transformers(m, tok, prompts, a.new_tokens, batches, dev)
+        bench_vs_transformers(m, tok, prompts, a.new_tokens, batches, dev, not a.no_compile)
         bench_mixed(m, tok, a.mixed_requests, a.mixed_gap, max(batches), dev, loader)
         m.config.dsa_mode = mode
     if "throughput" in parts:

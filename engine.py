@@ -1,26 +1,18 @@
 """
-The inference engine: a paged latent cache, continuous batching, sampling and MTP speculative decoding
-(a very small vLLM). serve.py puts the OpenAI-compatible HTTP server and the terminal chat on top of it;
-tests and benchmarks drive it directly.
+The inference engine: continuous batching over a paged latent cache, with MTP speculative decoding (a very
+small vLLM). serve.py puts the OpenAI-compatible HTTP server and the terminal chat on top of it; tests and
+benchmarks drive it directly. Its memory is paged_cache.py's (the paged MLA latent cache, prefix caching);
+turning logits into tokens is sampling.py's (penalties, top-k/top-p, the speculative acceptance rule).
 
 What it implements:
 - MLA decoding over the cached latents and DSA at inference (GLM-5 report, section 2; DeepSeek-V3.2
-  report): the cache holds per layer only the MLA latent [c_kv | k_pe] (512 + 64 = 576 values per token
-  at full size) and the indexer's 128-d key, so the model's own cache path (absorbed MLA, the indexer
-  over the cached keys, top-k, sparse attention) runs unchanged over it.
-- Paging (vLLM's PagedAttention paper, Kwon et al. 2023): the cache is cut into pages; a request holds
-  a list of page ids, so requests of any length share one pool without fragmentation. Full pages are
-  keyed by the hash chain of their prefix, so a repeated prefix (the next chat turn, an agent's next
-  step) is shared, not prefilled again; unreferenced cached pages are evicted least recently used first.
-- Sampling: greedy, temperature, top-k, top-p, and OpenAI's presence and frequency penalties over the
-  tokens a request has generated (OpenAI's API reference; vLLM's SamplingParams), each request with its
-  own seeded generator.
+  report): the model's own cache path (absorbed MLA, the indexer over the cached keys, top-k, sparse
+  attention) runs over paged_cache.PagedCache, which holds per layer only the latent and the index key.
+- Continuous batching (Orca, Yu et al. 2022; vLLM): requests join and leave the running batch at any step.
 - Speculative decoding with the MTP block (GLM-5 report, section 2: one MTP block whose weights are
   shared across 3 steps, accept length 2.76 with 4 drafted tokens; DeepSeek-V3 report, section 2.2 on
-  MTP): the block drafts N tokens, one forward of the main model verifies them all, and drafts are
-  accepted by the rule of speculative sampling (Leviathan et al. 2023, Chen et al. 2023): greedy while
-  draft == argmax, else with probability min(1, p/q) and a resample from normalize(max(0, p - q)) at the
-  first rejection, so the output is distributed exactly as without drafts.
+  MTP): the block drafts N tokens, one forward of the main model verifies them all, and
+  sampling.accept_drafts keeps a prefix of them, so the output is distributed exactly as without drafts.
 - Weight updates for RL rollouts (the GLM-5 report's asynchronous agentic RL infrastructure: rollout engines
   serve while the trainer pushes new weights; SGLang's update_weights_from_disk; AReaL's interruptible
   rollouts, Fu et al. 2025): update_weights() reads a save_pretrained directory on the side, then between
@@ -38,40 +30,36 @@ Run it through serve.py, or drive it directly (as the tests and bench_serve.py d
     python serve.py --ckpt out/ckpt.pt --spec 3     # the server, with 3 drafted tokens per step
     python bench_serve.py                            # throughput, MTP accept length, DSA vs dense
     curl localhost:8000/update_weights_from_disk -d '{"model_path": "out_rl/step_10", "weight_version": 10}'
-    >>> import engine; from tokenizer import get_tokenizer
+    >>> import engine, sampling; from tokenizer import get_tokenizer
     >>> m = engine.load_model("out/ckpt.pt")
     >>> eng = engine.Engine(m, get_tokenizer(m.config.vocab_size), spec_tokens=3)
-    >>> eng.generate([[1, 2, 3]], engine.SamplingParams(max_tokens=8, temperature=0))[0].out
+    >>> eng.generate([[1, 2, 3]], sampling.SamplingParams(max_tokens=8, temperature=0))[0].out
 Tests: python -m pytest -q tests/test_engine.py
 
 Prefill is batched: every request admitted in a step is prefilled in that step, rows of similar length
 right-padded into one forward (the padding writes to a scratch page), prompts longer than prefill_chunk in
-chunks; then the step decodes every running row, the new ones included. Sampling is batched over the rows:
-one argmax for the greedy rows, one log_softmax for the logprobs, one host sync per step; the model's
-forward itself never reads a value back (the cache's length is set on the host).
-Attention reads the page pool in place when the pool is at most twice the longest history (one long
-request, a full server): DSA scores the index keys in the pool and reads only the selected latent rows,
-dense attention scores every pool row under a mask; no history is copied. Otherwise (a large pool, short
-rows) each row's history is gathered into a (B, S, 576) tensor per layer, which is also the reference
-path (PagedCache(in_place=False)) the tests hold the in-place one to.
+chunks; then the step decodes every running row, the new ones included. Sampling is batched over the rows
+(one host sync per step); the model's forward itself never reads a value back (the cache's length is set
+on the host). Engine(compile_decode=True) (serve.py --compile) runs the plain decode step's forward through
+torch.compile (PyTorch 2 paper, Ansel et al. 2024; inductor fuses the small ops a toy step is made of): the
+batch is padded up to a power of two (decode_bucket; the padding rows write to the scratch page and are
+dropped), so one graph per bucket serves every batch, and the history's length is a dynamic dimension.
 
-Honest limits: a long prompt's chunks all run in the step that admits it (vLLM interleaves them with
-other rows' decode steps, which keeps decode latency flat); rows of very different lengths prefill in
-separate forwards. Pages for prompt + max_tokens are reserved at admission (no preemption). In place,
-the pool's scores cost up to twice the rows' own (a paged attention kernel reads each row's pages only;
-on a GPU the Triton index kernel still gets gathered keys); one process, one device. The MTP block's
-drafts 2..N reuse its cache slots at the next positions, an approximation that lowers the accept rate
-but never changes the output. Penalties count a row's tokens
-from its Python list at every step (vLLM keeps the counts on the device). A weight update holds two
-copies of the weights while it loads, and recomputes each running request's cache with one prefill
-(AReaL's choice; SGLang can also keep the stale cache or abort); weights come from disk only (no
-torch.distributed broadcast from the trainer).
+Honest limits: a long prompt's chunks all run in the step that admits it (vLLM interleaves them with other
+rows' decode steps, which keeps decode latency flat); rows of very different lengths prefill in separate
+forwards. Pages for prompt + max_tokens are reserved at admission (no preemption). One process, one
+device. compile_decode covers the plain decode step only (prefill, MTP drafts and verify forwards run
+eager); each bucket compiles on first use, up to three graphs (a first length, any length, a length on a
+page boundary; tens of seconds each on a CPU), and its greedy outputs equal the eager path's in the tests,
+not bit for bit its logits (fused kernels round differently). The MTP block's drafts 2..N reuse its cache
+slots at the next positions, an approximation that lowers the accept rate but never changes the output. A
+weight update holds two copies of the weights while it loads, and recomputes each running request's cache
+with one prefill (AReaL's choice; SGLang can also keep the stale cache or abort); weights come from disk
+only (no torch.distributed broadcast from the trainer).
 """
 
 import collections
 import dataclasses
-import hashlib
-import json
 import os
 import queue
 import sys
@@ -79,12 +67,13 @@ import threading
 import uuid
 
 import torch
-import torch.nn.functional as F
 
 import chat
 import model as glm
+import sampling
 import weights
 from dsa import upcast
+from paged_cache import PagedCache
 
 # -----------------------------------------------------------------------------
 # Loading: a train.py checkpoint (out/ckpt.pt) or a save_pretrained / GLM-5 directory
@@ -126,206 +115,13 @@ def load_model(path, device="cpu", dtype=None):
 
 
 # -----------------------------------------------------------------------------
-# The paged latent cache, with a prefix cache over its full pages
+# Scheduling: which admitted rows prefill together
 
 
-class PagedCache:
-    """Pages of `page_size` tokens, per layer (main layers, then MTP): the latent [c_kv | k_pe] and the
-    indexer key. Before each forward the engine sets `tables` (B, max pages) of page ids; write() then
-    stores each row's new tokens at their positions and returns each row's history gathered into
-    (B, S, ...), the same API as model.KVCache.write."""
-
-    def __init__(self, cfg, num_pages, page_size, device, dtype, in_place=True):
-        L = cfg.num_hidden_layers + cfg.num_nextn_predict_layers
-        self.page_size = page_size
-        self.num_pages = num_pages
-        self.scratch = num_pages  # one extra page, never handed out: padded rows write their padding here
-        latent = cfg.kv_lora_rank + cfg.qk_rope_head_dim
-        self.kv = torch.zeros(L, num_pages + 1, page_size, latent, device=device, dtype=dtype)
-        self.index_k = torch.zeros(
-            L, num_pages + 1, page_size, cfg.index_head_dim, device=device, dtype=dtype
-        )
-        self.free = list(range(num_pages - 1, -1, -1))  # a stack: pop() gives the lowest id first
-        self.ref = [0] * num_pages  # how many requests use each page
-        self.cached = collections.OrderedDict()  # prefix hash -> page id, least recently used first
-        self.page_hash = [None] * num_pages
-        self.tables = None
-        self.length = None  # the furthest position of this forward + 1, set on the host with `tables`
-        self.in_place = in_place  # False: always gather each row's history (the reference path)
-        self.rows = None
-
-    def point(self, tables, length):
-        """Before a forward: tables (B, n) page ids per row, length = the furthest position + 1 (a host
-        int, so no layer reads positions back from the device). When the pool is at most twice the
-        longest history (one long request; a full server), attention reads the pool in place through
-        `rows` (B, S), each position's pool row: the pool's scores cost at most twice the rows' own, and
-        nothing is copied. Otherwise (a large pool, short rows) write() gathers each row's history."""
-        self.tables = tables
-        self.length = length
-        P = self.page_size
-        self.rows = None
-        if self.in_place and self.kv.shape[1] * P <= 2 * length:
-            s = torch.arange(length, device=tables.device)
-            self.rows = tables[:, s // P] * P + s % P  # (B, S)
-
-    def write(self, layer_id, positions, latent, index_k):
-        """positions (B, T); latent (B, T, C + R); index_k (B, T, index_head_dim) -> every row's
-        history (B, S, C + R) and (B, S, index_head_dim) (the model.KVCache.write API), or with
-        self.rows set the layer's pools (N, C + R) and (N, index_head_dim), N = pages x page_size, read
-        in place (model.MLA.forward)."""
-        P = self.page_size
-        rows = torch.arange(positions.shape[0], device=positions.device)[:, None]
-        pages = self.tables[rows, positions // P]  # (B, T)
-        slots = positions % P  # (B, T)
-        self.kv[layer_id][pages, slots] = latent.to(self.kv.dtype)
-        self.index_k[layer_id][pages, slots] = index_k.to(self.index_k.dtype)
-        if self.rows is not None:
-            return self.kv[layer_id].view(-1, self.kv.shape[-1]), self.index_k[layer_id].view(
-                -1, self.index_k.shape[-1]
-            )
-        S = self.length
-        t = self.tables[:, : (S + P - 1) // P]  # (B, n pages)
-        B = t.shape[0]
-        kv = self.kv[layer_id][t].view(B, -1, self.kv.shape[-1])[:, :S]
-        index_k = self.index_k[layer_id][t].view(B, -1, self.index_k.shape[-1])[:, :S]
-        return kv, index_k
-
-    def available(self):
-        return len(self.free) + sum(1 for p in self.cached.values() if self.ref[p] == 0)
-
-    def alloc(self, n):
-        """n fresh pages (ref 1), evicting unreferenced cached pages LRU-first if the free list is short."""
-        assert n <= self.available(), "alloc beyond available(); the engine checks first"
-        out = []
-        while len(out) < n:
-            if not self.free:
-                h = next(h for h, p in self.cached.items() if self.ref[p] == 0)  # least recently used
-                p = self.cached.pop(h)
-                self.page_hash[p] = None
-                self.free.append(p)
-            p = self.free.pop()
-            self.ref[p] = 1
-            out.append(p)
-        return out
-
-    def release(self, pages):
-        for p in pages:
-            self.ref[p] -= 1
-            if self.ref[p] == 0 and self.page_hash[p] is None:  # a cached page stays until evicted
-                self.free.append(p)
-
-    def chain(self, tokens):
-        """Hash of each full page of `tokens`, each chained on the one before (a page's key is its prefix)."""
-        P = self.page_size
-        h = b""
-        out = []
-        for i in range(len(tokens) // P):
-            h = hashlib.sha256(h + json.dumps(tokens[i * P : (i + 1) * P]).encode()).digest()
-            out.append(h)
-        return out
-
-    def lookup(self, tokens, max_pages):
-        """Pages holding the longest cached prefix of `tokens` (at most max_pages), references taken."""
-        pages = []
-        for h in self.chain(tokens)[:max_pages]:
-            p = self.cached.get(h)
-            if p is None:
-                break
-            self.cached.move_to_end(h)
-            self.ref[p] += 1
-            pages.append(p)
-        return pages
-
-    def flush(self):
-        """Forget every cached prefix (after a weight update its latents are stale): pages no request
-        holds are free at once, the others when their request releases them."""
-        for p in self.cached.values():
-            self.page_hash[p] = None
-            if self.ref[p] == 0:
-                self.free.append(p)
-        self.cached.clear()
-
-    def register(self, tokens, pages):
-        """Make the full pages of `tokens` (whose latents are written in `pages`) findable by lookup()."""
-        for h, p in zip(self.chain(tokens), pages):
-            if h not in self.cached and self.page_hash[p] is None:
-                self.cached[h] = p
-                self.page_hash[p] = h
-
-
-# -----------------------------------------------------------------------------
-# Sampling, and the speculative acceptance rule
-
-
-@dataclasses.dataclass
-class SamplingParams:
-    max_tokens: int = 16
-    temperature: float = 1.0  # 0: greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0: off
-    seed: int = None
-    stop: list = dataclasses.field(default_factory=list)  # stop strings
-    logprobs: int = None  # None: no logprobs; n >= 0: the sampled token's logprob and n alternatives
-    ignore_eos: bool = False
-    presence_penalty: float = 0.0  # subtracted once from every token already generated (-2..2)
-    frequency_penalty: float = 0.0  # subtracted per occurrence of a token already generated (-2..2)
-
-
-def penalize(logits, generated, sp):
-    """logits (V,) -> logits less OpenAI's presence and frequency penalties over the tokens this request
-    has generated so far (the prompt does not count), before temperature, as OpenAI's API reference and
-    vLLM define them: logits[t] -= frequency_penalty * count[t] + presence_penalty * (count[t] > 0).
-    The logprobs a request reports stay the model's own, before penalties."""
-    logits = upcast(logits)
-    if not generated or not (sp.presence_penalty or sp.frequency_penalty):
-        return logits
-    count = torch.bincount(torch.tensor(generated), minlength=logits.shape[-1]).to(logits)  # (V,)
-    return logits - sp.frequency_penalty * count - sp.presence_penalty * (count > 0).to(logits)
-
-
-def sampling_probs(logits, sp):
-    """logits (N, V) -> the distribution (N, V) fp32 that `sp` samples from; one-hot argmax when greedy."""
-    logits = upcast(logits)
-    if sp.temperature == 0:
-        return F.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-    logits = logits / sp.temperature
-    if sp.top_k and sp.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, sp.top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if sp.top_p < 1.0:
-        srt, order = logits.sort(-1, descending=True)
-        p = srt.softmax(-1)
-        drop = (p.cumsum(-1) - p) > sp.top_p  # keep the smallest head whose mass reaches top_p
-        logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
-    return logits.softmax(-1)
-
-
-def penalized(sp):
-    return bool(sp.presence_penalty or sp.frequency_penalty)
-
-
-def draw(probs, gen):
-    """One token from probs (V,) with the request's own generator (reproducible per seed)."""
-    return int(torch.multinomial(probs.cpu(), 1, generator=gen))
-
-
-def accept_drafts(p, q, drafts, gen, greedy):
-    """Speculative sampling's acceptance rule. p (N + 1, V): the target distributions at the N draft
-    positions and one after; q (N, V): the draft distributions; drafts (N,). -> the tokens to append:
-    the accepted drafts, then either the correction (at the first rejection) or a bonus token from p[N].
-    The output is distributed exactly as p."""
-    out = []
-    for i, d in enumerate(drafts):
-        if greedy:
-            if d != int(p[i].argmax()):
-                return out + [int(p[i].argmax())]
-        elif torch.rand((), generator=gen) >= min(1.0, float(p[i, d] / q[i, d])):
-            residual = (p[i] - q[i]).clamp(min=0)
-            return out + [draw(residual / residual.sum(), gen)]
-        out.append(d)
-    if greedy:
-        return out + [int(p[-1].argmax())]
-    return out + [draw(p[-1], gen)]
+def decode_bucket(n, max_batch):
+    """A compiled decode step's batch size for n rows: the next power of two, at most max_batch. Padding a
+    step of n rows up to it keeps the graphs to about log2(max_batch) (1, 2, 4, .., 32)."""
+    return min(1 << (n - 1).bit_length(), max(max_batch, n))
 
 
 def similar_lengths(rows, lengths, chunk, waste=0.25):
@@ -411,6 +207,7 @@ class Engine:
         version=0,
         prefill_chunk=512,
         in_place=True,
+        compile_decode=False,
     ):
         self.model = model
         self.tok = tok
@@ -437,6 +234,11 @@ class Engine:
         self.stats = collections.Counter()  # prefill_tokens, cached_tokens, decode_steps, recomputed_tokens
         self.version = version  # the policy version of the weights in use; it only increases
         self.step_lock = threading.Lock()  # held by step(); a weight update swaps between two steps
+        self.compiled = None  # compile_decode: decode_logits through torch.compile (inductor), else eager
+        if compile_decode:
+            # one graph per batch bucket; the history's length is a dynamic dimension, not a recompile
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
+            self.compiled = torch.compile(self.decode_logits, dynamic=None)
 
     # --- submission ---------------------------------------------------------------------
 
@@ -600,15 +402,17 @@ class Engine:
 
     # --- the model, run over pages ------------------------------------------------------
 
-    def place(self, rows, starts, T):
+    def place(self, rows, starts, T, pad=0, width=0):
         """Point the cache at these rows' pages. starts: each row's first position (host ints) ->
         positions (B, T) and their RoPE cos, sin. A row's positions past its own pages (right padding)
-        land on the scratch page."""
+        land on the scratch page; so do `pad` extra rows at position 0 (a compiled step's batch bucket).
+        width: the page tables' least width (a compiled step's is fixed, so no page count recompiles)."""
         P = self.cache.page_size
-        n = max(max(len(r.pages) for r in rows), -(-(max(starts) + T) // P))
+        n = max(max(len(r.pages) for r in rows), -(-(max(starts) + T) // P), width)
         tables = [r.pages + [self.cache.scratch] * (n - len(r.pages)) for r in rows]
+        tables += [[self.cache.scratch] * n] * pad
         self.cache.point(torch.tensor(tables, device=self.device), max(starts) + T)  # tables (B, n)
-        start = torch.tensor(starts, device=self.device)
+        start = torch.tensor(starts + [0] * pad, device=self.device)
         positions = start.view(-1, 1) + torch.arange(T, device=self.device)  # (B, T)
         c = self.cfg
         dtype = upcast(self.model.lm_head.weight).dtype
@@ -618,12 +422,20 @@ class Engine:
     def forward(self, ids, starts, rows):
         """ids (B, T), starts: each row's first position -> h (B, T, D), the main stack's last hidden
         state (GLM5.forward's, over the pages); logits() puts the head on the positions wanted."""
-        m = self.model
         positions, cos, sin = self.place(rows, starts, ids.shape[1])
+        return self.layers(ids, positions, cos, sin)
+
+    def layers(self, ids, positions, cos, sin):
+        """The main stack over the pages the cache points at: ids (B, T) -> h (B, T, D)."""
+        m = self.model
         h = m.model.embed_tokens(ids)
         for layer in m.model.layers:
             h, _, _ = layer(h, cos, sin, positions, self.cache)
         return h
+
+    def decode_logits(self, ids, positions, cos, sin):
+        """One decode step's forward: ids (B, 1) -> logits (B, V). What compile_decode=True compiles."""
+        return self.logits(self.layers(ids, positions, cos, sin)[:, -1])
 
     def logits(self, h, last=None):
         """h (B, T, D) -> logits (B, T, V), or (B, V) at one position per row: last[i] for row i."""
@@ -644,10 +456,21 @@ class Engine:
     # --- decoding: plain, or speculative with the MTP block -----------------------------
 
     def decode_step(self, rows):
-        ids = torch.tensor([[r.tokens[-1]] for r in rows], device=self.device)  # (B, 1)
-        h = self.forward(ids, [len(r.tokens) - 1 for r in rows], rows)
+        """One token for every running row. Compiled (compile_decode=True), the batch is padded up to its
+        bucket (decode_bucket) with rows on the scratch page, so a few graphs cover every batch size."""
+        ids = [[r.tokens[-1]] for r in rows]
+        pad = width = 0
+        if self.compiled is not None:
+            pad = decode_bucket(len(rows), self.max_batch) - len(rows)
+            width = -(-(self.max_model_len + self.spec + 1) // self.cache.page_size)  # a row's most pages
+        positions, cos, sin = self.place(rows, [len(r.tokens) - 1 for r in rows], 1, pad, width)
+        ids = torch.tensor(ids + [[0]] * pad, device=self.device)  # (B + pad, 1)
+        if self.compiled is None:
+            logits = self.decode_logits(ids, positions, cos, sin)
+        else:
+            logits = self.compiled(ids, positions, cos, sin)[: len(rows)]  # (B, V)
         self.stats["decode_steps"] += 1
-        self.sample_append(rows, self.logits(h[:, -1]))
+        self.sample_append(rows, logits)
 
     def spec_step(self, rows):
         """MTP drafts N tokens per row, one forward verifies [last token, drafts], the acceptance rule
@@ -670,8 +493,9 @@ class Engine:
         qs = [[] for _ in rows]
         for k in range(self.spec):
             for i, r in enumerate(rows):
-                q = sampling_probs(penalize(logits[i], r.out + drafts[i], r.sp)[None], r.sp)[0]  # (V,)
-                d = int(q.argmax()) if r.sp.temperature == 0 else draw(q, r.gen)
+                penalized = sampling.penalize(logits[i], r.out + drafts[i], r.sp)[None]  # (1, V)
+                q = sampling.sampling_probs(penalized, r.sp)[0]  # (V,)
+                d = int(q.argmax()) if r.sp.temperature == 0 else sampling.draw(q, r.gen)
                 drafts[i].append(d)
                 qs[i].append(q)
             if k + 1 < self.spec:
@@ -683,9 +507,9 @@ class Engine:
     def verify(self, r, logits, q, drafts):
         """Apply the acceptance rule to one row; append what it keeps. -> the number of tokens appended."""
         # position j is penalized for the tokens generated before it: r.out and the first j drafts
-        penalized = [penalize(logits[j], r.out + drafts[:j], r.sp) for j in range(len(logits))]
-        p = sampling_probs(torch.stack(penalized), r.sp)  # (N + 1, V)
-        new = accept_drafts(p, q, drafts, r.gen, r.sp.temperature == 0)
+        penalized = [sampling.penalize(logits[j], r.out + drafts[:j], r.sp) for j in range(len(logits))]
+        p = sampling.sampling_probs(torch.stack(penalized), r.sp)  # (N + 1, V)
+        new = sampling.accept_drafts(p, q, drafts, r.gen, r.sp.temperature == 0)
         r.accepted.append(len(new))
         before = len(r.out)
         for j, t in enumerate(new):
@@ -718,50 +542,13 @@ class Engine:
         greedy rows in one argmax, the logprobs in one log_softmax, one host sync for all; a sampled row
         draws with its own generator. A row whose sampling fails fails alone."""
         if tokens is None:
-            tokens = self.sample(rows, logits)
-        logprobs = self.logprobs(rows, logits, tokens)
+            tokens = sampling.sample(rows, logits)
+        logprobs = sampling.logprobs(rows, logits, tokens)
         for i, r in enumerate(rows):
             if isinstance(tokens[i], Exception):
                 self.fail(r, tokens[i])
             else:
                 self.append(r, tokens[i], *logprobs.get(i, (None, None)))
-
-    def sample(self, rows, logits):
-        """-> each row's token: the plain greedy rows (no penalties) by one batched argmax, the others as
-        sampling_probs says (an exception in place of the token if that fails)."""
-        plain = [i for i, r in enumerate(rows) if r.sp.temperature == 0 and not penalized(r.sp)]
-        tokens = [None] * len(rows)
-        if plain:
-            picked = logits if len(plain) == len(rows) else logits[plain]
-            for i, t in zip(plain, picked.argmax(-1).tolist()):
-                tokens[i] = t
-        for i, r in enumerate(rows):
-            if tokens[i] is not None:
-                continue
-            try:
-                probs = sampling_probs(penalize(logits[i], r.out, r.sp)[None], r.sp)[0]
-                tokens[i] = int(probs.argmax()) if r.sp.temperature == 0 else draw(probs, r.gen)
-            except Exception as e:  # e.g. a nan temperature: this request fails, not the batch
-                tokens[i] = e
-        return tokens
-
-    def logprobs(self, rows, logits, tokens):
-        """-> {row: (the token's logprob, its top sp.logprobs alternatives as (id, logprob) or None)} for
-        the rows that asked, at their temperature and before penalties, all rows in one pass."""
-        want = [i for i, r in enumerate(rows) if r.sp.logprobs is not None and isinstance(tokens[i], int)]
-        if not want:
-            return {}
-        temps = torch.tensor([rows[i].sp.temperature or 1.0 for i in want], device=logits.device)
-        lp = torch.log_softmax(upcast(logits[want]) / temps.to(upcast(logits).dtype)[:, None], -1)  # (W, V)
-        chosen = lp.gather(-1, torch.tensor([[tokens[i]] for i in want], device=lp.device))[:, 0].tolist()
-        n = min(max(rows[i].sp.logprobs for i in want), lp.shape[-1])
-        top_v, top_ix = torch.topk(lp, n) if n else (lp[:, :0], lp[:, :0].long())
-        top_v, top_ix = top_v.tolist(), top_ix.tolist()
-        out = {}
-        for j, i in enumerate(want):
-            k = rows[i].sp.logprobs
-            out[i] = (chosen[j], list(zip(top_ix[j][:k], top_v[j][:k])) if k > 0 else None)
-        return out
 
     def append(self, r, token, logprob=None, top=None):
         """Record a sampled token (and its logprob and alternatives) and check the stop conditions."""

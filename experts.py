@@ -173,6 +173,21 @@ def experts_grouped(x, counts, gate_up, down):
     return F.grouped_mm(F.silu(g) * u, down.transpose(-2, -1), offs=offs)  # (rows, D)
 
 
+# torch.compile (engine.py's compiled decode step) traces with fake tensors, and on a CPU the fake of torch's
+# grouped GEMM asks for bf16 where the real one takes fp32 too: compiled, experts_grouped runs as one opaque
+# op whose output shape is declared here, so the same kernel runs and the graph does not break.
+@torch.library.custom_op("nanoglm::experts_grouped", mutates_args=())
+def experts_grouped_op(
+    x: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
+) -> torch.Tensor:
+    return experts_grouped(x, counts, gate_up, down)
+
+
+@experts_grouped_op.register_fake
+def _(x, counts, gate_up, down):
+    return x.new_empty(x.shape[0], down.shape[1])  # (rows, D)
+
+
 def experts_triton(x, counts, gate_up, down):
     """kernels_moe's grouped SwiGLU and down projection (one launch each, empty experts free); forward
     only, so a GPU uses it when no gradient is needed (serving, sampling)."""
@@ -199,6 +214,8 @@ def run_experts(x, counts, gate_up, down, impl=None):
     if torch.is_autocast_enabled(dev):
         dt = torch.get_autocast_dtype(dev)
         x, gate_up, down = x.to(dt), gate_up.to(dt), down.to(dt)
+    if grouped_mm_ok(x, gate_up, down) and torch.compiler.is_compiling() and not needs_grad:
+        return experts_grouped_op(x, counts, gate_up, down)
     if grouped_mm_ok(x, gate_up, down):
         return experts_grouped(x, counts, gate_up, down)
     return experts_loop(x, counts, gate_up, down)

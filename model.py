@@ -506,7 +506,7 @@ class KVCache:
 
     def write(self, layer_id, positions, latent, index_k):
         """positions (B, T), rows may differ -> each row's (B, S, ...) latents and index keys
-        (engine.PagedCache has the same API)."""
+        (paged_cache.PagedCache has the same API)."""
         S = self.length  # GLM5.forward sets it from start_pos on the host: no sync per layer
         if S > self.max_seq_len:
             raise ValueError(

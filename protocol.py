@@ -37,7 +37,7 @@ than showing them and forbidding calls. Only text content: image and audio parts
 import json
 
 import chat
-from engine import SamplingParams
+from sampling import SamplingParams
 
 # -----------------------------------------------------------------------------
 # Request bodies: the fields each route accepts, each checked with an error that names it

@@ -37,6 +37,7 @@ a request becomes a prompt and a reply becomes text, is protocol.py.
 Run it:
     python serve.py --ckpt out/ckpt.pt --port 8000       # a train.py checkpoint or a save_pretrained dir
     python serve.py --ckpt out/ckpt.pt --spec 3          # with MTP speculative decoding, 3 drafts per step
+    python serve.py --ckpt out/ckpt.pt --compile         # the decode step through torch.compile
     python serve.py --ckpt out_sft/ckpt.pt --chat        # terminal chat, thinking shown dimmed
     python serve.py --ckpt /tmp/q/w4a8                   # a W4A8 / W8A8 directory written by quantize.py
 (Chat with the SFT checkpoint: a pretrained-only one continues text and never learned the chat format.
@@ -70,7 +71,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import torch
 
 import chat
-from engine import Engine, EngineFull, SamplingParams, VersionConflict, load_model
+from engine import Engine, EngineFull, VersionConflict, load_model
+from sampling import SamplingParams
 from protocol import (
     FIELDS,
     APIError,
@@ -624,6 +626,11 @@ def main(argv=None):
     arg("--spec", type=int, default=0, help="MTP speculative decoding: draft this many tokens (0: off)")
     arg("--no_prefix_cache", action="store_true")
     arg(
+        "--compile",
+        action="store_true",
+        help="run the decode step through torch.compile, batches padded to powers of two (engine.py)",
+    )
+    arg(
         "--weight_version",
         type=int,
         default=0,
@@ -654,6 +661,7 @@ def main(argv=None):
         prefix_cache=not a.no_prefix_cache,
         default_max_tokens=a.default_max_tokens,
         version=a.weight_version,
+        compile_decode=a.compile,
     )
     if a.chat:
         return terminal(eng, SamplingParams(max_tokens=512, temperature=a.temperature), not a.no_thinking)

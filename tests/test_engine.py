@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import engine
+import sampling
 import model
 import weights
 from conftest import randomize, tiny_config
@@ -43,7 +44,7 @@ def make_engine(ckpt, **kw):
 
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [5, 6, 7], list(range(40, 58)), [200, 3, 3, 3, 9, 100, 42]]
-GREEDY = engine.SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+GREEDY = sampling.SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
 
 
 def test_batched_equals_alone_equals_full_forward(ckpt, one_thread):
@@ -118,6 +119,41 @@ def test_attention_over_the_page_pool_in_place_equals_the_gathered_history(ckpt,
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=1e-9)
 
 
+def inductor_or_skip():
+    """torch.compile's CPU backend (inductor) needs a working C++ compiler: skip, saying so, without one."""
+    try:
+        torch.compile(lambda x: x * 2 + 1)(torch.ones(3))
+    except Exception as e:  # no compiler, an unsupported platform: the engine's eager path is tested anyway
+        pytest.skip(f"torch.compile (inductor) is unavailable here: {type(e).__name__}: {e}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("num_pages", [64, 24])
+def test_compiled_decode_equals_eager(ckpt, one_thread, num_pages):
+    """compile_decode=True: the decode forward through torch.compile, the batch padded to its bucket (4,
+    then 3 rows run as 4, 2, 1) with the padding on the scratch page, the history's length dynamic.
+    In fp32 (the grouped experts, as served): greedy outputs equal the eager engine's and logprobs agree
+    to fp32 rounding; with a pool of just the pages reserved (24) the last steps read it in place."""
+    inductor_or_skip()
+    m = engine.load_model(ckpt[0]).float()
+    sps = [dataclasses.replace(GREEDY, max_tokens=n, logprobs=1) for n in (16, 5, 9, 3)]
+    prompts = [list(range(30, 70)), PROMPTS[1], list(range(100, 110)), PROMPTS[3]]  # 14 + 2 + 5 + 3 pages
+    out = {}
+    for compiled in (False, True):
+        eng = engine.Engine(m, ckpt[1], num_pages=num_pages, page_size=4, compile_decode=compiled)
+        rs = [eng.submit(p, sp) for p, sp in zip(prompts, sps)]
+        while eng.step():
+            pass
+        out[compiled] = rs
+        assert eng.cache.available() == eng.cache.num_pages
+        assert (eng.cache.rows is not None) == (num_pages == 24)  # the last step: in place, or gathered
+    for a, b in zip(out[False], out[True]):
+        assert a.out == b.out
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=1e-4)
+    assert engine.decode_bucket(3, 32) == 4 and engine.decode_bucket(17, 24) == 24
+    assert engine.decode_bucket(1, 32) == 1 and engine.decode_bucket(33, 32) == 33
+
+
 def test_prefill_groups_rows_of_similar_length():
     rows = list("abcde")
     assert engine.similar_lengths(rows, [8, 8, 8, 8, 8], 512) == [rows]
@@ -128,7 +164,7 @@ def test_prefill_groups_rows_of_similar_length():
 
 def test_cached_logprobs_match_full_forward(ckpt, one_thread):
     eng = make_engine(ckpt, prefix_cache=False)
-    sp = engine.SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=3)
+    sp = sampling.SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=3)
     r = eng.generate([PROMPTS[2]], sp)[0]
     full = torch.log_softmax(eng.model(torch.tensor([PROMPTS[2] + r.out]))[0, len(PROMPTS[2]) - 1 : -1], -1)
     want = full.gather(-1, torch.tensor(r.out)[:, None])[:, 0]
@@ -138,7 +174,7 @@ def test_cached_logprobs_match_full_forward(ckpt, one_thread):
 
 def test_continuous_batching_join_midway(ckpt, one_thread):
     eng = make_engine(ckpt)
-    longer = engine.SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    longer = sampling.SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     a = eng.submit(PROMPTS[0], longer)
     for _ in range(4):
         eng.step()
@@ -178,12 +214,12 @@ def test_stop_conditions(ckpt, one_thread):
     eng = make_engine(ckpt)
     r = eng.generate([PROMPTS[0]], GREEDY)[0]
     eng.stop_ids = {r.out[3]}
-    s = eng.generate([PROMPTS[0]], engine.SamplingParams(max_tokens=10, temperature=0))[0]
+    s = eng.generate([PROMPTS[0]], sampling.SamplingParams(max_tokens=10, temperature=0))[0]
     assert s.finish == "stop" and s.out == r.out[: r.out.index(r.out[3]) + 1]
     text = ckpt[1].decode(r.out)
     stop = text[len(text) // 2 : len(text) // 2 + 2]
     t = eng.generate(
-        [PROMPTS[0]], engine.SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, stop=[stop])
+        [PROMPTS[0]], sampling.SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, stop=[stop])
     )[0]
     assert t.finish == "stop" and stop not in t.text and text.startswith(t.text)
     with pytest.raises(ValueError, match="context"):
@@ -196,7 +232,7 @@ def test_a_request_that_fails_alone_leaves_the_engine_serving(ckpt, one_thread):
     prompt's half-written pages never enter the prefix cache."""
     eng = make_engine(ckpt)
     bad = eng.submit(
-        PROMPTS[2], engine.SamplingParams(max_tokens=4, temperature=float("nan"), ignore_eos=True)
+        PROMPTS[2], sampling.SamplingParams(max_tokens=4, temperature=float("nan"), ignore_eos=True)
     )
     good = eng.submit(PROMPTS[0], GREEDY)
     while eng.step():
@@ -243,21 +279,21 @@ def test_aborted_waiting_requests_leave_the_queue(ckpt, one_thread):
 
 def test_seeded_sampling_is_reproducible(ckpt, one_thread):
     eng = make_engine(ckpt)
-    sp = engine.SamplingParams(max_tokens=8, temperature=1.5, top_p=0.9, top_k=50, seed=7, ignore_eos=True)
+    sp = sampling.SamplingParams(max_tokens=8, temperature=1.5, top_p=0.9, top_k=50, seed=7, ignore_eos=True)
     a, b = eng.generate([PROMPTS[1], PROMPTS[1]], sp)
     c = eng.generate(
         [PROMPTS[1]],
-        engine.SamplingParams(max_tokens=8, temperature=1.5, top_p=0.9, top_k=50, seed=8, ignore_eos=True),
+        sampling.SamplingParams(max_tokens=8, temperature=1.5, top_p=0.9, top_k=50, seed=8, ignore_eos=True),
     )[0]
     assert a.out == b.out != c.out
 
 
 def test_sampling_probs_top_k_top_p():
     logits = torch.tensor([[3.0, 2.0, 1.0, 0.0, -1.0]])
-    p = engine.sampling_probs(logits, engine.SamplingParams(temperature=1.0, top_k=2))
+    p = sampling.sampling_probs(logits, sampling.SamplingParams(temperature=1.0, top_k=2))
     assert (p[0, 2:] == 0).all() and torch.allclose(p.sum(), torch.tensor(1.0))
     full = logits.softmax(-1)[0]
-    p = engine.sampling_probs(logits, engine.SamplingParams(temperature=1.0, top_p=float(full[0]) + 1e-3))
+    p = sampling.sampling_probs(logits, sampling.SamplingParams(temperature=1.0, top_p=float(full[0]) + 1e-3))
     assert (p[0] > 0).tolist() == [True, True, False, False, False]
 
 
@@ -301,14 +337,14 @@ def learned_mtp(ckpt):
 
 def test_mtp_drafts_are_accepted_once_the_head_has_learned(learned_mtp, one_thread):
     m, tok, prompts = learned_mtp
-    sp = engine.SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    sp = sampling.SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
     plain = engine.Engine(m, tok, num_pages=64, page_size=4).generate(prompts, sp)
     eng = engine.Engine(m, tok, num_pages=64, page_size=4, spec_tokens=3)
     rs = eng.generate(prompts, sp)
     assert [r.out for r in rs] == [r.out for r in plain]  # still lossless
     accept = sum(sum(r.accepted) for r in rs) / sum(len(r.accepted) for r in rs)
     assert accept > 3.0, accept  # tokens per verify forward, at most 4; 1: no draft ever kept
-    sampled = engine.SamplingParams(max_tokens=20, temperature=1.0, seed=3, ignore_eos=True)
+    sampled = sampling.SamplingParams(max_tokens=20, temperature=1.0, seed=3, ignore_eos=True)
     rs = eng.generate(prompts, sampled)  # the rejection rule keeps drafts the target agrees with
     assert sum(sum(r.accepted) for r in rs) / sum(len(r.accepted) for r in rs) > 2.0
     assert eng.cache.available() == eng.cache.num_pages
@@ -322,8 +358,8 @@ def test_rejection_sampler_matches_target():
     q = torch.tensor([[0.05, 0.05, 0.1, 0.2, 0.3, 0.3]])
     counts = torch.zeros(V)
     for _ in range(n):
-        d = engine.draw(q[0], g)
-        counts[engine.accept_drafts(p, q, [d], g, greedy=False)[0]] += 1
+        d = sampling.draw(q[0], g)
+        counts[sampling.accept_drafts(p, q, [d], g, greedy=False)[0]] += 1
     freq = counts / n
     assert (freq - p[0]).abs().max() < 0.015, (freq, p[0])  # q itself is off by 0.35
 
@@ -333,20 +369,20 @@ def test_penalties_are_subtracted_as_openai_specifies(ckpt):
     logits[t] -= frequency_penalty * count[t] + presence_penalty * (count[t] > 0), count over the tokens
     generated so far (not the prompt), before temperature."""
     logits = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0])
-    sp = engine.SamplingParams(presence_penalty=0.25, frequency_penalty=0.5, temperature=0.5)
+    sp = sampling.SamplingParams(presence_penalty=0.25, frequency_penalty=0.5, temperature=0.5)
     # token 1 generated twice: 2 - 2 * 0.5 - 0.25 = 0.75; token 3 once: 4 - 0.5 - 0.25 = 3.25
     want = torch.tensor([1.0, 0.75, 3.0, 3.25, 5.0])
-    assert engine.penalize(logits, [1, 3, 1], sp).tolist() == want.tolist()
-    p = engine.sampling_probs(engine.penalize(logits, [1, 3, 1], sp)[None], sp)[0]
+    assert sampling.penalize(logits, [1, 3, 1], sp).tolist() == want.tolist()
+    p = sampling.sampling_probs(sampling.penalize(logits, [1, 3, 1], sp)[None], sp)[0]
     torch.testing.assert_close(p, (want / 0.5).softmax(-1))
-    negative = engine.SamplingParams(presence_penalty=-1.0, frequency_penalty=-2.0)  # encourage repeats
-    assert engine.penalize(logits, [4], negative).tolist() == [1.0, 2.0, 3.0, 4.0, 8.0]
+    negative = sampling.SamplingParams(presence_penalty=-1.0, frequency_penalty=-2.0)  # encourage repeats
+    assert sampling.penalize(logits, [4], negative).tolist() == [1.0, 2.0, 3.0, 4.0, 8.0]
     # the engine samples through them: greedy picks 4 while 5 - 0.75 * count(4) stays above 4
     eng = make_engine(ckpt)
     logits = torch.full((300,), -10.0, dtype=torch.float64)
     logits[3] = 4.0
     logits[4] = 5.0
-    r = engine.Request([4, 4, 4], engine.SamplingParams(temperature=0, frequency_penalty=0.75), set())
+    r = engine.Request([4, 4, 4], sampling.SamplingParams(temperature=0, frequency_penalty=0.75), set())
     for _ in range(3):
         eng.sample_append([r], logits[None])
     assert r.out == [4, 4, 3]  # 5, then 4.25, then 3.5 < 4: the prompt's three 4s do not count
@@ -356,7 +392,7 @@ def test_penalized_decoding_matches_the_full_forward_with_penalties_by_hand(ckpt
     """Paged decoding under penalties, plain and with MTP drafts, equals the full forward with the
     penalties applied by hand, greedy, token by token."""
     penalties = {"presence_penalty": 0.7, "frequency_penalty": 1.3}
-    sp = engine.SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, **penalties)
+    sp = sampling.SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, **penalties)
     eng = make_engine(ckpt)
     prompt = PROMPTS[1]
     out = []
@@ -366,7 +402,7 @@ def test_penalized_decoding_matches_the_full_forward_with_penalties_by_hand(ckpt
         out.append(int((logits - 1.3 * count - 0.7 * (count > 0)).argmax()))
     assert eng.generate([prompt], sp)[0].out == out
     assert make_engine(ckpt, spec_tokens=3).generate([prompt], sp)[0].out == out
-    unpenalized = engine.SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    unpenalized = sampling.SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     assert eng.generate([prompt], unpenalized)[0].out != out  # the penalties did change the reply
 
 
@@ -388,7 +424,7 @@ def test_in_flight_requests_continue_on_the_new_weights(ckpt, ckpt_v1, one_threa
     """Tokens sampled before the swap carry version 0, after it version 1; what follows the swap is the new
     model's own greedy continuation (its cache was recomputed, not mixed), a request admitted after the
     swap equals an engine built on the new weights, and the prefix cache was emptied."""
-    sp = engine.SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    sp = sampling.SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     eng = make_engine(ckpt, spec_tokens=spec)
     eng.generate([PROMPTS[3]], sp)  # leaves its pages in the prefix cache
     assert eng.cache.cached

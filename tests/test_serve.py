@@ -20,6 +20,7 @@ import torch
 
 import chat
 import engine
+import sampling
 import model
 import serve
 import tokenizer
@@ -233,7 +234,7 @@ def test_http_keepalive_and_bad_lengths(server):
 def test_chat_reply_is_cut_at_the_stop_string(ckpt):
     tok = ckpt[1]
     think, end = tok.special_tokens["<think>"], tok.special_tokens["</think>"]
-    r = engine.Request([1], engine.SamplingParams(stop=["lazy"]), set())
+    r = engine.Request([1], sampling.SamplingParams(stop=["lazy"]), set())
     r.out = [think] + tok.encode("the quick fox") + [end] + tok.encode("return 'hi' + lazy dog")
     r.stop_str = "lazy"
     assert chat.parse_reply(r.out, tok, stop=r.stop_str) == {
@@ -266,7 +267,7 @@ def test_http_concurrent_clients_and_full(server, ckpt):
     for t in ts:
         t.join()
     ref = make_engine(ckpt).generate(
-        PROMPTS, engine.SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+        PROMPTS, sampling.SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
     )
     assert [o["choices"][0]["text"] for o in out] == [ckpt[1].decode(ref[i % 4].out) for i in range(6)]
     assert requests.get(server + "/health").status_code == 200
@@ -298,7 +299,7 @@ def test_terminal_chat_keeps_the_conversation(ckpt, one_thread, monkeypatch, cap
         return submit(prompt, sp)
 
     monkeypatch.setattr(eng, "submit", recording_submit)
-    serve.terminal(eng, engine.SamplingParams(max_tokens=6, temperature=0), thinking=True)
+    serve.terminal(eng, sampling.SamplingParams(max_tokens=6, temperature=0), thinking=True)
     out = capsys.readouterr().out
     assert "(thinking off)" in out and len(submitted) == 2
     assert "\033[2m\033[0m" not in out  # no empty dim spans
@@ -628,7 +629,7 @@ def test_http_abandoned_request_leaves_the_engine(ckpt, one_thread):
         assert not eng.running and eng.cache.available() == eng.cache.num_pages
         # streamed or not, a request still queued behind a full batch leaves when its client does
         eng.max_batch = 1
-        busy = eng.submit([8, 9], engine.SamplingParams(max_tokens=150, ignore_eos=True))
+        busy = eng.submit([8, 9], sampling.SamplingParams(max_tokens=150, ignore_eos=True))
         for stream in (False, True):
             count = len(submitted)
             body = json.dumps({"prompt": [5, 6, 7], "max_tokens": 5, "stream": stream}).encode()
@@ -710,7 +711,7 @@ def test_http_penalties_reach_the_engine(server, server_engine, ckpt):
     body = {"prompt": [7, 7, 7], "max_tokens": 8, "temperature": 0, "ignore_eos": True}
     penalties = {"presence_penalty": 1.5, "frequency_penalty": 2.0}
     got = requests.post(server + "/v1/completions", json={**body, **penalties, "return_token_ids": True})
-    sp = engine.SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, **penalties)
+    sp = sampling.SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, **penalties)
     assert got.json()["choices"][0]["token_ids"] == make_engine(ckpt).generate([[7, 7, 7]], sp)[0].out
 
 
@@ -788,7 +789,7 @@ def test_weight_update_under_concurrent_requests(ckpt, ckpt_v1, one_thread):
     def check(prompt, ids, versions):
         n = versions_split(versions)
         assert len(ids) == n_tokens
-        sp = engine.SamplingParams(max_tokens=n_tokens, temperature=0, ignore_eos=True)
+        sp = sampling.SamplingParams(max_tokens=n_tokens, temperature=0, ignore_eos=True)
         assert ids[:n] == old.generate([prompt], sp)[0].out[:n]
         sp.max_tokens = n_tokens - n
         assert ids[n:] == new.generate([prompt + ids[:n]], sp)[0].out
@@ -823,7 +824,7 @@ def test_weight_update_under_concurrent_requests(ckpt, ckpt_v1, one_thread):
         assert requests.get(url + "/health").json()["weight_version"] == 1
         assert requests.get(url + "/v1/models").json()["data"][0]["weight_version"] == 1
         after = requests.post(url + "/v1/completions", json=body(PROMPTS[3])).json()["choices"][0]
-        sp = engine.SamplingParams(max_tokens=n_tokens, temperature=0, ignore_eos=True)
+        sp = sampling.SamplingParams(max_tokens=n_tokens, temperature=0, ignore_eos=True)
         assert after["token_ids"] == new.generate([PROMPTS[3]], sp)[0].out
         assert after["token_versions"] == [1] * n_tokens
 

@@ -1,0 +1,159 @@
+"""
+The paged latent cache with prefix caching: the serving engine's memory (engine.py drives it).
+
+What it implements:
+- MLA's latent cache (GLM-5 report, section 2; DeepSeek-V2 report, section 2.1): per layer (the main
+  layers, then the MTP block) and per token only the latent [c_kv | k_pe] (512 + 64 = 576 values at full
+  size) and the DSA indexer's 128-d key (DeepSeek-V3.2 report), so the model's own cache path (absorbed
+  MLA, the indexer over the cached keys, top-k, sparse attention) runs unchanged over it.
+- Paging (vLLM's PagedAttention paper, Kwon et al. 2023, https://arxiv.org/abs/2309.06180): the pool is
+  cut into pages of page_size tokens; a request holds a list of page ids (its page table), so requests of
+  any length share one pool without fragmentation. Pages are reference-counted.
+- Prefix caching (vLLM's automatic prefix caching; nano-vllm's block_manager.py): a full page is keyed by
+  the hash chain of its prefix, so a repeated prefix (the next chat turn, an agent's next step) is shared,
+  not prefilled again; unreferenced cached pages are evicted least recently used first.
+
+How attention reads it (point()): when the pool is at most twice the longest history (one long request, a
+full server), attention reads the pool in place: DSA scores the index keys in the pool and reads only the
+selected latent rows, dense attention scores every pool row under a mask; no history is copied. Otherwise
+(a large pool, short rows) write() gathers each row's history into a (B, S, 576) tensor per layer, which
+is also the reference path (PagedCache(in_place=False)) the tests hold the in-place one to.
+
+Run it through engine.py (python bench_serve.py; python -m pytest -q tests/test_engine.py).
+
+Honest limits: the page bookkeeping (free list, reference counts, hashes) is Python on the host; in place,
+the pool's scores cost up to twice the rows' own (a paged attention kernel reads each row's pages only;
+on a GPU the Triton index kernel still gets gathered keys);
+a prefix hash covers token ids only, so a cache must be flushed when the weights change (flush()).
+"""
+
+import collections
+import hashlib
+import json
+
+import torch
+
+
+class PagedCache:
+    """Pages of `page_size` tokens, per layer (main layers, then MTP): the latent [c_kv | k_pe] and the
+    indexer key. Before each forward the engine sets `tables` (B, max pages) of page ids; write() then
+    stores each row's new tokens at their positions and returns each row's history gathered into
+    (B, S, ...), the same API as model.KVCache.write."""
+
+    def __init__(self, cfg, num_pages, page_size, device, dtype, in_place=True):
+        L = cfg.num_hidden_layers + cfg.num_nextn_predict_layers
+        self.page_size = page_size
+        self.num_pages = num_pages
+        self.scratch = num_pages  # one extra page, never handed out: padded rows write their padding here
+        latent = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+        self.kv = torch.zeros(L, num_pages + 1, page_size, latent, device=device, dtype=dtype)
+        self.index_k = torch.zeros(
+            L, num_pages + 1, page_size, cfg.index_head_dim, device=device, dtype=dtype
+        )
+        self.free = list(range(num_pages - 1, -1, -1))  # a stack: pop() gives the lowest id first
+        self.ref = [0] * num_pages  # how many requests use each page
+        self.cached = collections.OrderedDict()  # prefix hash -> page id, least recently used first
+        self.page_hash = [None] * num_pages
+        self.tables = None
+        self.length = None  # the furthest position of this forward + 1, set on the host with `tables`
+        self.in_place = in_place  # False: always gather each row's history (the reference path)
+        self.rows = None
+
+    def point(self, tables, length):
+        """Before a forward: tables (B, n) page ids per row, length = the furthest position + 1 (a host
+        int, so no layer reads positions back from the device). When the pool is at most twice the
+        longest history (one long request; a full server), attention reads the pool in place through
+        `rows` (B, S), each position's pool row: the pool's scores cost at most twice the rows' own, and
+        nothing is copied. Otherwise (a large pool, short rows) write() gathers each row's history."""
+        self.tables = tables
+        self.length = length
+        P = self.page_size
+        self.rows = None
+        if self.in_place and self.kv.shape[1] * P <= 2 * length:
+            s = torch.arange(length, device=tables.device)
+            self.rows = tables[:, s // P] * P + s % P  # (B, S)
+
+    def write(self, layer_id, positions, latent, index_k):
+        """positions (B, T); latent (B, T, C + R); index_k (B, T, index_head_dim) -> every row's
+        history (B, S, C + R) and (B, S, index_head_dim) (the model.KVCache.write API), or with
+        self.rows set the layer's pools (N, C + R) and (N, index_head_dim), N = pages x page_size, read
+        in place (model.MLA.forward)."""
+        P = self.page_size
+        rows = torch.arange(positions.shape[0], device=positions.device)[:, None]
+        pages = self.tables[rows, positions // P]  # (B, T)
+        slots = positions % P  # (B, T)
+        self.kv[layer_id][pages, slots] = latent.to(self.kv.dtype)
+        self.index_k[layer_id][pages, slots] = index_k.to(self.index_k.dtype)
+        if self.rows is not None:
+            return self.kv[layer_id].view(-1, self.kv.shape[-1]), self.index_k[layer_id].view(
+                -1, self.index_k.shape[-1]
+            )
+        S = self.length
+        t = self.tables[:, : (S + P - 1) // P]  # (B, n pages)
+        B = t.shape[0]
+        kv = self.kv[layer_id][t].view(B, -1, self.kv.shape[-1])[:, :S]
+        index_k = self.index_k[layer_id][t].view(B, -1, self.index_k.shape[-1])[:, :S]
+        return kv, index_k
+
+    def available(self):
+        return len(self.free) + sum(1 for p in self.cached.values() if self.ref[p] == 0)
+
+    def alloc(self, n):
+        """n fresh pages (ref 1), evicting unreferenced cached pages LRU-first if the free list is short."""
+        assert n <= self.available(), "alloc beyond available(); the engine checks first"
+        out = []
+        while len(out) < n:
+            if not self.free:
+                h = next(h for h, p in self.cached.items() if self.ref[p] == 0)  # least recently used
+                p = self.cached.pop(h)
+                self.page_hash[p] = None
+                self.free.append(p)
+            p = self.free.pop()
+            self.ref[p] = 1
+            out.append(p)
+        return out
+
+    def release(self, pages):
+        for p in pages:
+            self.ref[p] -= 1
+            if self.ref[p] == 0 and self.page_hash[p] is None:  # a cached page stays until evicted
+                self.free.append(p)
+
+    def chain(self, tokens):
+        """Hash of each full page of `tokens`, each chained on the one before (a page's key is its prefix)."""
+        P = self.page_size
+        h = b""
+        out = []
+        for i in range(len(tokens) // P):
+            h = hashlib.sha256(h + json.dumps(tokens[i * P : (i + 1) * P]).encode()).digest()
+            out.append(h)
+        return out
+
+    def lookup(self, tokens, max_pages):
+        """Pages holding the longest cached prefix of `tokens` (at most max_pages), references taken."""
+        pages = []
+        for h in self.chain(tokens)[:max_pages]:
+            p = self.cached.get(h)
+            if p is None:
+                break
+            self.cached.move_to_end(h)
+            self.ref[p] += 1
+            pages.append(p)
+        return pages
+
+    def flush(self):
+        """Forget every cached prefix (after a weight update its latents are stale): pages no request
+        holds are free at once, the others when their request releases them."""
+        for p in self.cached.values():
+            self.page_hash[p] = None
+            if self.ref[p] == 0:
+                self.free.append(p)
+        self.cached.clear()
+
+    def register(self, tokens, pages):
+        """Make the full pages of `tokens` (whose latents are written in `pages`) findable by lookup()."""
+        for h, p in zip(self.chain(tokens), pages):
+            if h not in self.cached and self.page_hash[p] is None:
+                self.cached[h] = p
+                self.page_hash[p] = h
+
