@@ -207,7 +207,10 @@ def apply_rope(x, cos, sin):
     """Interleaved RoPE: rotate adjacent pairs (x[2i], x[2i+1]) by angle i (GPT-J layout, as GLM-5).
     x (B, T, ..., dim); cos/sin (B, T, dim/2) broadcast over the middle axes. Each pair is a complex number
     x[2i] + j x[2i+1] multiplied by cos + j sin: one complex multiply, no stack of the two halves
-    (apply_rope_ref is the rotation written out)."""
+    (apply_rope_ref is the rotation written out). Under torch.compile it is apply_rope_ref: inductor
+    generates no code for complex numbers, and the real form fuses with the ops around it."""
+    if torch.compiler.is_compiling():
+        return apply_rope_ref(x, cos, sin)
     shape = (cos.shape[0], cos.shape[1]) + (1,) * (x.dim() - 3) + (cos.shape[-1],)
     rot = torch.complex(cos, sin).view(shape)  # (B, T, 1.., dim/2)
     xc = torch.view_as_complex(x.to(cos.dtype).contiguous().unflatten(-1, (-1, 2)))  # (B, T, .., dim/2)
