@@ -14,8 +14,8 @@ arXiv 2404.00456, tables 1 and 9); much more means a packing or scale bug.
 Honest limits: the toy model has no outlier channels to speak of (the calibration table of quantize.py
 shows kurtosis near a Gaussian's 3), so rotation has little to remove here; on a CPU the quantized matmuls
 run kernels_quant's torch reference (unpack the INT4 words, quantize the activations, torch._int_mm), so
-quantized decoding is slower than BF16 here, not faster: the bandwidth saving shows on a GPU with the
-Triton kernels, which this script runs there (not measured in this project: no GPU was at hand). Decode
+quantized decoding is slower than BF16 here, not faster: the bandwidth saving would show on a GPU with
+kernels_quant's Triton kernels, which this script does not run (it times the CPU; no GPU was at hand). Decode
 timing is batch 1, greedy, the model's own KV cache (model.generate), one run.
 """
 

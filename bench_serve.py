@@ -55,9 +55,9 @@ import time
 import torch
 
 import engine
+import model as glm
 import paged_cache
 import sampling
-import model as glm
 import weights
 from bench_train import describe_machine
 from train import pick_device, sync

@@ -462,7 +462,7 @@ class Engine:
         pad = width = 0
         if self.compiled is not None:
             pad = decode_bucket(len(rows), self.max_batch) - len(rows)
-            width = -(-(self.max_model_len + self.spec + 1) // self.cache.page_size)  # a row's most pages
+            width = -(-(self.max_model_len + 1) // self.cache.page_size)  # a row's most pages (no drafts)
         positions, cos, sin = self.place(rows, [len(r.tokens) - 1 for r in rows], 1, pad, width)
         ids = torch.tensor(ids + [[0]] * pad, device=self.device)  # (B + pad, 1)
         if self.compiled is None:
@@ -605,6 +605,13 @@ class Engine:
         is missing, unreadable or of other shapes; the served weights are then untouched. Only
         safetensors directories are taken: a pickled ckpt.pt named by a client could run code."""
         self.check_version(version)
+        from quantized import QuantExperts, QuantLinear  # here, as in load_model: only quantized serving needs it
+
+        if any(isinstance(mod, (QuantLinear, QuantExperts)) for mod in self.model.modules()):
+            raise ValueError(
+                "this replica serves a quantized (W4A8 / W8A8) checkpoint, which takes no weight updates; "
+                "serve the BF16 checkpoint to push weights to it"
+            )
         if not os.path.isdir(directory):
             raise ValueError(
                 f"no save_pretrained directory at {directory}; pass one written by save_pretrained"

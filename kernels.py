@@ -12,7 +12,8 @@ Triton kernels for DSA, GLM-5's sparse attention, each checked against the plain
     sparse_mla_target   the sparse-stage indexer KL's target from the lse: the main attention's
                         probabilities over the selection, summed over heads, normalised
 
-The MoE experts' kernels (grouped SwiGLU, W4A8) are in kernels_moe.py, which shares this file's switch.
+The MoE experts' grouped SwiGLU kernels are in kernels_moe.py, the W8A8 / W4A8 ones of quantized serving in
+kernels_quant.py; both share this file's switch.
 
 One switch, one rule (use_triton below), set by the environment variable NANOGLM_KERNELS:
     auto    (default) Triton when the data is on a CUDA GPU, the torch reference otherwise

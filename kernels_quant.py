@@ -22,7 +22,7 @@ read, compressed-tensors. Each Triton kernel sits beside the torch reference it 
 
 The math, for a token m and an output channel n, with one weight scale per group G of inputs:
     y[m, n] = x_scale[m] * sum_G w_scale[n, G] * sum_{k in G} x_q[m, k] * w_q[n, k]
-the inner sums are integers, exact in int32 (|x_q w_q| <= 127 * 8 for INT4, 127 * 127 for INT8, so K up
+the inner sums are integers, exact in int32 (|x_q w_q| <= 127 * 8 for INT4, 127 * 128 for INT8, so K up
 to ~130K inputs for W8A8); the scales are applied in fp32 in that order, and the result cast to x's dtype.
 
 What runs where: each public function asks kernels.use_triton (the NANOGLM_KERNELS switch: auto, torch,

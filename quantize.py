@@ -80,12 +80,17 @@ shard of memory. --rotate first reads the residual-stream norm vectors (a few KB
 Honest limits: round-to-nearest only (no GPTQ/AWQ: the report does not say its calibration method); no
 online Hadamards (see above); activations are quantized dynamically at run time, so no activation scales are
 stored; the KV cache is not quantized; --dry_run counts bytes from the shapes, it does not read a checkpoint.
+The rotation is a dense float64 D x D matmul per matrix (no fast Walsh-Hadamard transform): seconds for the
+toy, on the order of 1e16 flops for the 744B release. Loading a rotated checkpoint solves a least-squares
+problem over two (V, D) float64 heads for the MTP block (quantized.MTPHeadNorm): about 15 GB of memory for
+GLM-5's 154,880 x 6,144 head.
 """
 
 import argparse
 import json
 import math
 import os
+import pickle
 import re
 import sys
 import time
@@ -211,13 +216,6 @@ def quantize_weight(w, num_bits, group_size=None, scale_dtype=torch.bfloat16):
     scale = round_scale(scale, scale_dtype)
     q = (groups / scale.to(wf.dtype)[..., None]).round().clamp(qmin, qmax)
     return q.to(torch.int8).view(N, K), scale
-
-
-def dequantize(q, scale):
-    """q (N, K) int, scale (N, G) -> (N, K) fp32: each group of K / G inputs times its scale."""
-    N, K = q.shape
-    G = scale.shape[-1]
-    return (q.float().view(N, G, K // G) * scale.float()[..., None]).view(N, K)
 
 
 def quantized_tensors(module, w, num_bits, group_size, scale_dtype):
@@ -465,6 +463,13 @@ def quantize_checkpoint(
     tensor, the most bytes held at once). dtype: of the kept tensors and the scales."""
     if scheme not in ("w4a8", "w8a8"):
         raise ValueError(f"--scheme {scheme!r} is not a scheme; use w4a8 or w8a8")
+    if group_size is not None and group_size < 0:
+        raise ValueError(f"--group_size {group_size} is negative; give 0 (per channel) or a group size")
+    if group_size and scheme == "w8a8":
+        raise ValueError("--group_size applies to INT4 experts only; drop it with --scheme w8a8 (per channel)")
+    source_dir = src if os.path.isdir(src) else os.path.dirname(os.path.abspath(src))
+    if os.path.realpath(out) == os.path.realpath(source_dir):
+        raise ValueError(f"--out {out} is where the source checkpoint is; write the quantized one elsewhere")
     cfg, shards = open_source(src)
     groups = config_groups(scheme, group_size)
     Q, norms, has_mtp_head = None, {}, False
@@ -637,8 +642,10 @@ def main(argv=None):
         s = quantize_checkpoint(
             a.ckpt, a.out, a.scheme, a.group_size or None, a.rotate, a.seed, getattr(torch, a.dtype)
         )
-    except (FileNotFoundError, ValueError) as e:
+    except (OSError, ValueError) as e:  # missing, unreadable or unwritable files; bad settings
         sys.exit(f"quantize.py: {e}")
+    except (RuntimeError, pickle.UnpicklingError) as e:  # torch.load of a file that is no checkpoint
+        sys.exit(f"quantize.py: {a.ckpt} could not be read as a checkpoint ({e}); give a ckpt.pt or a directory")
     print(
         f"wrote {a.out} in {time.time() - t0:.1f}s: {s['total_bytes'] / 2**20:.1f} MiB "
         f"({s['quantized_bytes'] / 2**20:.1f} quantized, {s['kept_bytes'] / 2**20:.1f} kept), "

@@ -131,14 +131,14 @@ class MTPHeadNorm(nn.Module):
         return m
 
     def set_heads(self, main_head, mtp_head):
-        """main_head, mtp_head (V, D) -> to_main = M (D, D), computed in float64."""
+        """main_head H, mtp_head H_mtp (V, D) -> to_main = M^T (D, D), M solving H M = H_mtp in float64."""
         M = torch.linalg.lstsq(main_head.double().cpu(), mtp_head.double().cpu()).solution  # (D, D)
         self.to_main.copy_(M.T.to(self.to_main.dtype))
 
     def forward(self, x):
         xf = x.to(torch.promote_types(x.dtype, torch.float32))
         y = self.weight * F.rms_norm(xf, (xf.shape[-1],), eps=self.eps).to(x.dtype)
-        return y @ self.to_main.T.to(y.dtype)
+        return y @ self.to_main.to(y.dtype)  # y M^T: lm_head of it is y M^T H^T = y H_mtp^T
 
 
 # -----------------------------------------------------------------------------
@@ -200,6 +200,8 @@ def parse_config(qc, path):
         strategy, gs = w.get("strategy"), w.get("group_size")
         if strategy not in ("channel", "group"):
             fail(path, f"{at}.weights.strategy", strategy, "use 'channel' or 'group'")
+        if strategy == "group" and bits == 8:
+            fail(path, f"{at}.weights.strategy", strategy, "INT8 weights are read per channel only")
         if strategy == "group" and not (isinstance(gs, int) and gs > 0):
             fail(path, f"{at}.weights.group_size", gs, "strategy 'group' needs a positive group_size")
         a = g.get("input_activations")
@@ -402,10 +404,3 @@ def is_quantized(directory):
             return bool(json.load(f).get("quantization_config"))
     except (json.JSONDecodeError, AttributeError):
         return False  # weights.read_config reports a broken config.json with its own sentence
-
-
-def describe(model):
-    """A one-line count of what is quantized, for logs."""
-    n_lin = sum(isinstance(m, QuantLinear) for m in model.modules())
-    n_exp = sum(isinstance(m, QuantExperts) for m in model.modules())
-    return f"{n_lin} quantized linears, {n_exp} quantized expert stacks"

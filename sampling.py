@@ -108,6 +108,7 @@ def sample(rows, logits):
             tokens[i] = e
     return tokens
 
+
 def logprobs(rows, logits, tokens):
     """-> {row: (the token's logprob, its top sp.logprobs alternatives as (id, logprob) or None)} for
     the rows that asked, at their temperature and before penalties, all rows in one pass."""

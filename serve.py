@@ -72,7 +72,6 @@ import torch
 
 import chat
 from engine import Engine, EngineFull, VersionConflict, load_model
-from sampling import SamplingParams
 from protocol import (
     FIELDS,
     APIError,
@@ -84,6 +83,7 @@ from protocol import (
     sampling_from,
     tools_from,
 )
+from sampling import SamplingParams
 from tokenizer import Tokenizer, from_tokenizer_json, get_tokenizer
 
 # -----------------------------------------------------------------------------

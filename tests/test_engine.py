@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import engine
-import sampling
 import model
+import sampling
 import weights
 from conftest import randomize, tiny_config
 from tokenizer import CHAT_TOKENS, Tokenizer, train_bpe
@@ -139,12 +139,16 @@ def test_compiled_decode_equals_eager(ckpt, one_thread, num_pages):
     sps = [dataclasses.replace(GREEDY, max_tokens=n, logprobs=1) for n in (16, 5, 9, 3)]
     prompts = [list(range(30, 70)), PROMPTS[1], list(range(100, 110)), PROMPTS[3]]  # 14 + 2 + 5 + 3 pages
     out = {}
+    graphs = torch._dynamo.utils.counters["stats"]
     for compiled in (False, True):
+        before = graphs["unique_graphs"]
         eng = engine.Engine(m, ckpt[1], num_pages=num_pages, page_size=4, compile_decode=compiled)
         rs = [eng.submit(p, sp) for p, sp in zip(prompts, sps)]
         while eng.step():
             pass
         out[compiled] = rs
+        if compiled:  # graphs were really built: a silent fall back to eager would pass the rest
+            assert graphs["unique_graphs"] > before
         assert eng.cache.available() == eng.cache.num_pages
         assert (eng.cache.rows is not None) == (num_pages == 24)  # the last step: in place, or gathered
     for a, b in zip(out[False], out[True]):

@@ -59,6 +59,11 @@ def read_all(directory):
         return tensors, json.load(f)
 
 
+def dequantize(q, scale):
+    """q (N, K), scale (N, G) -> the float64 weight: kernels_quant's, with the group size the scale implies."""
+    return kernels_quant.dequantize(q, scale, q.shape[1] // scale.shape[-1])
+
+
 # -----------------------------------------------------------------------------
 # Weights: packing order, half a step
 
@@ -91,7 +96,7 @@ def test_dequantized_within_half_a_step(bits, group_size, scale_dtype):
     assert scale.shape == (48, 96 // group_size if group_size else 1)
     assert q.min() >= -(2 ** (bits - 1)) and q.max() <= 2 ** (bits - 1) - 1
     step = scale.double().repeat_interleave(96 // scale.shape[1], dim=1)  # (48, 96) each value's step
-    err = (quantize.dequantize(q, scale).double() - w).abs()
+    err = (dequantize(q, scale).double() - w).abs()
     assert (err <= step / 2 + 1e-6 * w.abs()).all(), (err / step).max()  # (+ the fp32 product's rounding)
     # the rule: max|w| / 7.5 (or / 127.5), rounded to the stored dtype (up by one ulp at most)
     rule = w.abs().view(48, scale.shape[1], -1).amax(-1) / ((2**bits - 1) / 2)
@@ -158,7 +163,7 @@ def test_quant_linear_is_dequantize_then_matmul(bits, group_size):
     parts = quantize.quantized_tensors("m", w, bits, group_size, torch.float32)
     lin.load_state_dict({k[2:]: v for k, v in parts.items() if not k.endswith("weight_shape")})
     xq, xs = kernels_quant.quantize_activations(x)
-    ref = F.linear(xq.double() * xs.double(), quantize.dequantize(q, scale).double())
+    ref = F.linear(xq.double() * xs.double(), dequantize(q, scale).double())
     assert torch.allclose(lin(x).double(), ref, rtol=1e-5, atol=1e-5)
 
 
@@ -176,7 +181,7 @@ def test_quant_experts_are_dequantize_then_matmul(bits, group_size):
         for k, v in quantize.quantized_tensors(module, w.detach(), bits, group_size, torch.float32).items():
             if not k.endswith("weight_shape"):
                 views[k].copy_(v)
-        deq[module] = quantize.dequantize(
+        deq[module] = dequantize(
             *quantize.quantize_weight(w.detach(), bits, group_size, torch.float32)
         )
     counts = torch.tensor([3, 0, 5, 2])
@@ -296,6 +301,11 @@ def test_quantized_checkpoint_serves_over_http(ckpt, tmp_path_factory):  # noqa:
         for _ in range(6):
             ids.append(int(m(torch.tensor([ids]))[0, -1].argmax()))
     assert got == ids[4:]
+    # an RL weight push to a quantized replica is refused before anything is read, the weights untouched
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    with pytest.raises(ValueError, match="quantized .* takes no weight updates"):
+        eng.update_weights(str(tmp_path_factory.mktemp("push")), 1)
+    assert eng.version == 0 and all(torch.equal(before[k], v) for k, v in m.state_dict().items())
 
 
 # -----------------------------------------------------------------------------
@@ -360,6 +370,7 @@ BAD = [
     ("config_groups.group_0.weights.symmetric", False, "config_groups.group_0.weights.symmetric"),
     ("config_groups.group_0.weights.strategy", "tensor", "config_groups.group_0.weights.strategy"),
     ("config_groups.group_0.weights.type", "float", "config_groups.group_0.weights.type"),
+    ("config_groups.group_1.weights.strategy", "group", "config_groups.group_1.weights.strategy"),
     ("config_groups.group_1.input_activations", None, "config_groups.group_1.input_activations"),
     ("config_groups.group_1.input_activations.dynamic", False, "input_activations.dynamic"),
     ("config_groups.group_1.input_activations.strategy", "tensor", "input_activations.strategy"),
@@ -414,3 +425,20 @@ def test_corrupt_tensors_and_wrong_loaders_get_a_sentence(source, tmp_path_facto
     # the FP8 release's config is refused by the BF16 loader's config reader, naming quant_method
     with pytest.raises(ValueError, match="quant_method = 'fp8'"):
         weights.config_from_json({**config, "quantization_config": {"quant_method": "fp8"}})
+
+
+def test_mtp_head_norm_maps_any_head_onto_lm_head():
+    # a release's own MTP head, H_mtp = H A with A not symmetric (quantize.py's rotations give a symmetric
+    # A, which would hide a transposed map): lm_head(MTPHeadNorm(x)) must equal H_mtp RMSNorm(x)
+    torch.manual_seed(0)
+    V, D = 40, 8
+    H = torch.randn(V, D, dtype=torch.float64)
+    A = torch.randn(D, D, dtype=torch.float64)
+    assert (A - A.T).abs().max() > 0.1
+    norm = torch.nn.RMSNorm(D, eps=1e-6, dtype=torch.float64)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(D, dtype=torch.float64) + 0.5)
+    m = quantized.MTPHeadNorm.from_heads(norm, H, H @ A)
+    x = torch.randn(3, D, dtype=torch.float64)
+    want = norm(x) @ (H @ A).T
+    assert torch.allclose(m(x) @ H.T, want, atol=1e-10)

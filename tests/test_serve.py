@@ -20,8 +20,8 @@ import torch
 
 import chat
 import engine
-import sampling
 import model
+import sampling
 import serve
 import tokenizer
 import weights
