@@ -31,7 +31,8 @@ Serving benchmarks for engine.py, each measured side by side in one run on the s
                 in the pool, only the selected latent rows read) and PagedCache gathering each history
                 (the reference path). Next to each time: the least the step must read (the weights, the
                 index keys and the selected latents; dense: every latent) and the bound that sets at the
-                measured copy bandwidth. The cache is filled with random latents: prefilling 64K tokens
+                measured copy bandwidth, and the indexer's scores timed alone (one matmul, arithmetic the byte
+                bound does not count). The cache is filled with random latents: prefilling 64K tokens
                 densely on a CPU takes too long, and the step's cost does not depend on the values.
 
 Run it:
@@ -262,6 +263,18 @@ def bench_dsa(contexts, reps, dev, dtype):
                 f"dense / DSA = {t['dense'] / t['sparse']:.2f}x",
                 flush=True,
             )
+        # the byte bound leaves out arithmetic: the indexer's scores are one (heads x Di) x (Di x S) matmul
+        # over every index key, which on a CPU thread costs more than reading those keys
+        q = torch.randn(cfg.index_n_heads, Di, device=dev, dtype=dtype)
+        keys = torch.randn(S, Di, device=dev, dtype=dtype)
+        score = statistics.median(timed(lambda: q @ keys.T, dev)[1] for _ in range(reps))
+        flops = 2 * cfg.index_n_heads * Di * S
+        print(
+            f"{S:>7} tokens: the indexer's scores alone ({flops / 1e9:.2f} GFLOP, one matmul) take "
+            f"{score * 1e3:.1f} ms; weights + scores = {(weight_bytes / bw + score) * 1e3:.1f} ms, a floor the "
+            "byte bound does not count",
+            flush=True,
+        )
         del caches, paged
     m.config.dsa_mode = "sparse"
     return rows
