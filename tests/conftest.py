@@ -1,6 +1,9 @@
+import contextlib
 import functools
 import os
 import random
+import re
+import subprocess
 import sys
 
 import pytest
@@ -127,3 +130,55 @@ def randomize(m, seed=None):
 @pytest.fixture
 def tiny():
     return tiny_config
+
+
+# -----------------------------------------------------------------------------
+# Kernel tests (test_kernels.py, test_kernels_quant.py): the interpreter re-run, poisoned outputs, errors
+
+
+def run_under_interpreter(test_file, min_passed):
+    """Run test_file again in a fresh process with Triton's CPU interpreter on (it must be switched on
+    before triton is first imported, which other test modules do without it) and NANOGLM_KERNELS=triton;
+    fail unless at least min_passed cases passed there and none was skipped for want of a device (a child
+    that skipped every kernel case would otherwise pass too)."""
+    pytest.importorskip("triton")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, TRITON_INTERPRET="1", NANOGLM_KERNELS="triton")
+    r = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", os.path.abspath(test_file)],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    passed = re.search(r"(\d+) passed", r.stdout)
+    log = r.stdout[-6000:] + r.stderr[-2000:]
+    assert r.returncode == 0 and passed and int(passed.group(1)) >= min_passed, log
+    assert "no Triton device in this process" not in r.stdout, log
+
+
+@contextlib.contextmanager
+def poisoned():
+    """torch.empty fills what it returns with NaN (floats) or -128 / 0 (ints): an output element a kernel
+    never writes shows up in the comparison instead of passing by luck."""
+    real = torch.empty
+
+    def empty(*shape, **kw):
+        t = real(*shape, **kw)
+        return t.fill_(float("nan") if t.is_floating_point() else -128 if t.dtype == torch.int8 else 0)
+
+    torch.empty = empty
+    try:
+        yield
+    finally:
+        torch.empty = real
+
+
+def rel_err(got, ref):
+    """max |got - ref| / max |ref| over the finite entries; the -inf entries (masked scores) must match."""
+    got, ref = got.double(), ref.double()
+    assert not got.isnan().any(), "the kernel left elements unwritten (NaN poison survived)"
+    fin = ref.isfinite()
+    assert torch.equal(fin, got.isfinite()) and torch.equal(got[~fin], ref[~fin])  # the same -inf entries
+    return ((got - ref)[fin].abs().max() / ref[fin].abs().max().clamp_min(1e-30)).item()

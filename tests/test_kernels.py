@@ -11,10 +11,8 @@ Every buffer a kernel wrapper allocates with torch.empty is poisoned first (NaN;
 kernel writes), so an element a kernel forgets to write fails the comparison.
 """
 
-import contextlib
 import functools
 import os
-import re
 import subprocess
 import sys
 
@@ -26,7 +24,7 @@ import kernels
 import experts
 import kernels_moe
 import model
-from conftest import randomize, tiny_config
+from conftest import poisoned, randomize, rel_err, run_under_interpreter, tiny_config
 
 pytest.importorskip("triton")
 
@@ -46,19 +44,7 @@ TOL = {("cpu", torch.float32): 2e-6, ("cuda", torch.float32): 5e-3, torch.float1
 def test_kernels_under_the_interpreter():
     if INTERPRETED:
         pytest.skip("this is the interpreter run")
-    env = dict(os.environ, TRITON_INTERPRET="1", NANOGLM_KERNELS="triton")
-    r = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", os.path.abspath(__file__)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    passed = re.search(r"(\d+) passed", r.stdout)
-    # every kernel case must have run there: a child that skipped them all would otherwise pass too
-    assert r.returncode == 0 and passed and int(passed.group(1)) >= 12, r.stdout[-6000:] + r.stderr[-2000:]
-    assert "no Triton device in this process" not in r.stdout, r.stdout[-6000:]
+    run_under_interpreter(__file__, min_passed=12)
 
 
 @pytest.fixture(
@@ -68,29 +54,6 @@ def test_kernels_under_the_interpreter():
 def case(request):
     dev, dtype = request.param
     return kernels, dev, dtype, TOL.get((dev, dtype), TOL.get(dtype))
-
-
-@contextlib.contextmanager
-def poisoned():
-    real = torch.empty
-
-    def empty(*shape, **kw):
-        t = real(*shape, **kw)
-        return t.fill_(float("nan") if t.is_floating_point() else -128 if t.dtype == torch.int8 else 0)
-
-    torch.empty = empty
-    try:
-        yield
-    finally:
-        torch.empty = real
-
-
-def rel_err(got, ref):
-    got, ref = got.double(), ref.double()
-    assert not got.isnan().any(), "the kernel left elements unwritten (NaN poison survived)"
-    fin = ref.isfinite()
-    assert torch.equal(fin, got.isfinite()) and torch.equal(got[~fin], ref[~fin])  # the same -inf entries
-    return ((got - ref)[fin].abs().max() / ref[fin].abs().max().clamp_min(1e-30)).item()
 
 
 def randn(*shape, dev, dtype=torch.float32, scale=1.0):
