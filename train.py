@@ -73,6 +73,7 @@ from contextlib import nullcontext
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 import chat
 import data
@@ -128,6 +129,9 @@ dry_run = False  # print the parameter and memory plan, then exit before allocat
 plan_world_size = 0  # plan for this many ranks (0: torchrun's WORLD_SIZE, 1 without torchrun)
 sample_tokens = 64  # tokens sampled from the prompt at the end (0: none)
 sample_prompt = "def "  # for stage "sft" it is the user message, rendered with chat.py's template
+copy_frac = 0.0  # pretraining and DSA stages: this fraction of each batch's rows are synthetic copy rows
+copy_source = "random"  # copy rows repeat "random" ids or a "text" window of the corpus
+copy_probe_len = 64  # at each evaluation, the copy probe on random sequences of this length, twice (0: off)
 
 STAGES = ("pretrain", "dsa_warmup", "dsa_sparse", "sft")  # in pipeline order
 STAGE_DIRS = {"pretrain": "out", "dsa_warmup": "out_warmup", "dsa_sparse": "out_sparse", "sft": "out_sft"}
@@ -212,6 +216,10 @@ def resolve_config(argv):
     for k, need in minimum.items():
         if train_cfg[k] < need:
             raise SystemExit(f"{k} must be >= {need}, got {train_cfg[k]}")
+    if train_cfg["copy_source"] not in ("random", "text"):
+        raise SystemExit(f"unknown copy_source {train_cfg['copy_source']!r}; choose 'random' or 'text'")
+    if not 0.0 <= train_cfg["copy_frac"] <= 1.0:
+        raise SystemExit(f"copy_frac must lie in [0, 1], got {train_cfg['copy_frac']}")
     if train_cfg["schedule"] not in ("wsd", "cosine"):
         raise SystemExit(f"unknown schedule {train_cfg['schedule']!r}; choose 'wsd' or 'cosine'")
     if stage == "sft" and not train_cfg["sft_stdlib"] and not train_cfg["sft_extra"]:
@@ -336,6 +344,42 @@ def lr_mult(step):
 
 def mtp_weight_at(step):
     return mtp_weight_early if step < mtp_switch_frac * max_iters else mtp_weight_late
+
+
+# -----------------------------------------------------------------------------
+# The copy probe: can the model copy from its context (induction heads)?
+
+
+@torch.no_grad()
+def copy_probe(m, n_ids, length=64, rows=16, seed=0):
+    """Induction, measured (Olsson et al. 2022, "In-context learning and induction heads"): `rows` random
+    sequences of `length` ids drawn uniformly from [0, n_ids), each shown twice in a row. Nothing predicts
+    the first copy (its loss is about ln n_ids for a model that learnt the corpus' unigrams away); a model
+    that copies from its context predicts the second copy, token after token. The first token of the second
+    copy follows r[-1], which never preceded r[0], so it is left out of both.
+    m: a model mapping ids (B, T) to logits (B, T, V) (train.py's GLM5 without targets).
+    -> {"first": mean loss on the first copy, "second": on the second, "acc_second": top-1 accuracy on
+    the second copy}. A copying model has second << first and acc_second near 1; a model that cannot copy
+    has second about first."""
+    if n_ids < 2 or length < 2:
+        raise ValueError(f"copy_probe needs n_ids >= 2 and length >= 2, got n_ids={n_ids}, length={length}")
+    p = next(m.parameters())
+    g = torch.Generator().manual_seed(seed)
+    r = torch.randint(0, n_ids, (rows, length), generator=g)
+    x = torch.cat([r, r], dim=1).to(p.device)  # (rows, 2 * length)
+    was_training = m.training
+    m.eval()
+    logits = m(x[:, :-1]).float()  # (rows, 2 * length - 1, V): position t predicts x[:, t + 1]
+    m.train(was_training)
+    nll = F.cross_entropy(logits.transpose(1, 2), x[:, 1:], reduction="none")  # (rows, 2 * length - 1)
+    first = nll[:, : length - 1]  # targets x[1 .. length - 1]
+    second = nll[:, length:]  # targets x[length + 1 .. 2 * length - 1]
+    hits = logits[:, length:].argmax(-1) == x[:, length + 1 :]
+    return {
+        "first": first.mean().item(),
+        "second": second.mean().item(),
+        "acc_second": hits.float().mean().item(),
+    }
 
 
 # -----------------------------------------------------------------------------
@@ -503,7 +547,7 @@ def run(train_cfg, cfg, dev, ptdtype, counts, ep, world, rank):
     gen = torch.Generator().manual_seed(seed)  # its state is the data position (the same on every rank)
 
     def get_batch(split, g):
-        return rank_rows(loader, split, g, world, rank, dev)
+        return rank_rows(loader, split, g, world, rank, dev, tok.eot_id)
 
     # ---- the model and what this stage freezes; then sharding; then the optimizers (they hold the shards)
     config_dump = {"train": train_cfg, "model": dataclasses.asdict(cfg)}
@@ -564,9 +608,19 @@ def run(train_cfg, cfg, dev, ptdtype, counts, ep, world, rank):
             log_step(metrics_path, step, sums, mult, mtp_w, dt, tps, mfu, eta, dev)
         if step % eval_interval == 0 or step == max_iters:
             val = evaluate(m, get_batch, autocast, world, dev)
-            log(f"step {step} | val lm {val:.4f}", flush=True)
+            record = {"step": step, "val_lm": val, "tokens": step * tokens_per_step}
+            line = f"step {step} | val lm {val:.4f}"
+            if copy_probe_len > 0:
+                with autocast:
+                    probe = copy_probe(m, tok.eot_id, copy_probe_len)
+                record["copy"] = probe
+                line += (
+                    f" | copy probe: loss {probe['first']:.2f} on the first copy, {probe['second']:.2f} on "
+                    f"the second, top-1 {100 * probe['acc_second']:.0f}%"
+                )
+            log(line, flush=True)
             if master:
-                append_metrics(metrics_path, {"step": step, "val_lm": val})
+                append_metrics(metrics_path, record)
             checkpoint(raw, optimizers, step, gen, config_dump, world, rank, dev)
 
     # ---- a short sample (every rank decodes the same tokens: the sharded forward needs them all)
@@ -610,13 +664,45 @@ def prepare_data(cfg, master, distributed):
     return tok, data.DataLoader(ddir)
 
 
-def rank_rows(loader, split, g, world, rank, dev):
+def rank_rows(loader, split, g, world, rank, dev, n_ids):
     """This rank's rows of a batch. Every rank draws the same global batch of world x batch_size windows
     and keeps its rows, so N ranks at batch_size b see exactly what one process sees at batch_size N * b.
+    In training batches outside SFT, the last copy_frac of the global rows are copy rows (copy_rows).
     -> x, y, each (batch_size, block_size) on dev."""
     x, y = loader.get_batch(split, world * batch_size, block_size, generator=g)
+    n_copy = round(copy_frac * world * batch_size)
+    if split == "train" and stage != "sft" and n_copy > 0:
+        text = None
+        if copy_source == "text":
+            text = torch.cat([x[-n_copy:], y[-n_copy:, -1:]], dim=1)  # the windows the copy rows replace
+        cx, cy = copy_rows(n_copy, block_size, n_ids, g, text)
+        x = torch.cat([x[: len(x) - n_copy], cx])
+        y = torch.cat([y[: len(y) - n_copy], cy])
     mine = slice(rank * batch_size, (rank + 1) * batch_size)
     return x[mine].to(dev), y[mine].to(dev)
+
+
+def copy_rows(n, T, n_ids, g, text=None):
+    """n synthetic rows that copying predicts: each a sequence of L ids, L drawn from [8, T // 2], repeated
+    to fill T + 1 tokens. The sequence is random ids from [0, n_ids) (copy_source "random": only copying
+    predicts the repeats, and the targets inside the first occurrence are -1, ignored), or the first L
+    tokens of a corpus window from `text` (n, T + 1) ("text": the first occurrence is ordinary language
+    modelling, the repeats reward copying). Drawn from the data generator g, so resume stays exact.
+    -> x, y (n, T)."""
+    rows, targets = [], []
+    for i in range(n):
+        L = int(torch.randint(8, max(9, T // 2 + 1), (), generator=g))
+        if text is None:
+            seq = torch.randint(0, n_ids, (L,), generator=g)
+        else:
+            seq = text[i, :L]
+        xy = seq.repeat(T // L + 2)[: T + 1]  # (T + 1,)
+        y = xy[1:].clone()
+        if text is None:
+            y[:L] = -1  # the first occurrence and the second's first id (r[-1] never preceded r[0])
+        rows.append(xy[:-1])
+        targets.append(y)
+    return torch.stack(rows), torch.stack(targets)
 
 
 def build_model(cfg, config_dump, log):
