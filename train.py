@@ -353,19 +353,24 @@ def mtp_weight_at(step):
 @torch.no_grad()
 def copy_probe(m, n_ids, length=64, rows=16, seed=0):
     """Induction, measured (Olsson et al. 2022, "In-context learning and induction heads"): `rows` random
-    sequences of `length` ids drawn uniformly from [0, n_ids), each shown twice in a row. Nothing predicts
-    the first copy (its loss is about ln n_ids for a model that learnt the corpus' unigrams away); a model
-    that copies from its context predicts the second copy, token after token. The first token of the second
-    copy follows r[-1], which never preceded r[0], so it is left out of both.
+    sequences of `length` ids drawn uniformly from [0, n_ids) (or from the ids in n_ids, a 1-D tensor: say
+    the corpus' most frequent), each shown twice in a row. Nothing predicts the first copy (its loss is
+    about ln n_ids for a model that learnt the corpus' unigrams away); a model that copies from its context
+    predicts the second copy, token after token. The first token of the second copy follows r[-1], which
+    never preceded r[0], so it is left out of both.
     m: a model mapping ids (B, T) to logits (B, T, V) (train.py's GLM5 without targets).
     -> {"first": mean loss on the first copy, "second": on the second, "acc_second": top-1 accuracy on
     the second copy}. A copying model has second << first and acc_second near 1; a model that cannot copy
     has second about first."""
-    if n_ids < 2 or length < 2:
-        raise ValueError(f"copy_probe needs n_ids >= 2 and length >= 2, got n_ids={n_ids}, length={length}")
+    pool = n_ids if torch.is_tensor(n_ids) else None
+    n = len(pool) if pool is not None else n_ids
+    if n < 2 or length < 2:
+        raise ValueError(f"copy_probe needs at least 2 ids and length >= 2, got {n} ids, length={length}")
     p = next(m.parameters())
     g = torch.Generator().manual_seed(seed)
-    r = torch.randint(0, n_ids, (rows, length), generator=g)
+    r = torch.randint(0, n, (rows, length), generator=g)
+    if pool is not None:
+        r = pool[r]
     x = torch.cat([r, r], dim=1).to(p.device)  # (rows, 2 * length)
     was_training = m.training
     m.eval()

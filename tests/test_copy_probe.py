@@ -58,6 +58,19 @@ def test_a_random_model_does_not_copy():
     assert m.training, "the probe puts the model back in training mode"
 
 
+def test_the_probe_draws_from_a_pool_of_ids():
+    pool = torch.tensor([5, 9, 17, 4000])
+    seen = set()
+
+    class Spy(Copier):
+        def forward(self, ids):
+            seen.update(ids.flatten().tolist())
+            return super().forward(ids)
+
+    train.copy_probe(Spy(), pool, length=16, rows=2)
+    assert seen <= set(pool.tolist()), seen
+
+
 def test_bad_probe_sizes_are_refused():
     with pytest.raises(ValueError, match="length"):
         train.copy_probe(Copier(), 4079, length=1)
