@@ -20,6 +20,11 @@ The pipeline is pretrain -> dsa_warmup -> dsa_sparse -> sft, each stage --init_f
 weights only). A later stage without --init_from, or an out_dir holding another stage's checkpoint, stops
 with one sentence (--from_scratch=True and --overwrite=True allow them).
 
+Every evaluation logs the val loss and the copy probe (copy_probe): the loss on the second copy of a random
+sequence shown twice against the first, on all ids and on the corpus' 512 most frequent; a model with
+induction heads copies, the toy model after its CPU budget does not (configs/speedrun_stages.py).
+copy_frac > 0 puts synthetic copy rows (copy_rows) in the training batches of the non-SFT stages.
+
 Before allocating anything it prints the parameter and memory plan for the world size (parallel.py) and
 says in one sentence if a rank cannot hold it (a real run stops there, --dry_run=True exits 0). Under
 torchrun (detected from its environment, like nanoGPT's DDP) each block, the MTP block and the root are
@@ -130,7 +135,8 @@ plan_world_size = 0  # plan for this many ranks (0: torchrun's WORLD_SIZE, 1 wit
 sample_tokens = 64  # tokens sampled from the prompt at the end (0: none)
 sample_prompt = "def "  # for stage "sft" it is the user message, rendered with chat.py's template
 copy_frac = 0.0  # pretraining and DSA stages: this fraction of each batch's rows are synthetic copy rows
-copy_source = "random"  # copy rows repeat "random" ids or a "text" window of the corpus
+copy_source = "random"  # copy rows repeat "random" ids, the corpus' copy_top "frequent" ids, or "text"
+copy_top = 256  # copy_source "frequent": draw from the corpus' most frequent ids
 copy_probe_len = 64  # at each evaluation, the copy probe on random sequences of this length, twice (0: off)
 
 STAGES = ("pretrain", "dsa_warmup", "dsa_sparse", "sft")  # in pipeline order
@@ -216,8 +222,10 @@ def resolve_config(argv):
     for k, need in minimum.items():
         if train_cfg[k] < need:
             raise SystemExit(f"{k} must be >= {need}, got {train_cfg[k]}")
-    if train_cfg["copy_source"] not in ("random", "text"):
-        raise SystemExit(f"unknown copy_source {train_cfg['copy_source']!r}; choose 'random' or 'text'")
+    if train_cfg["copy_source"] not in ("random", "frequent", "text"):
+        raise SystemExit(
+            f"unknown copy_source {train_cfg['copy_source']!r}; choose 'random', 'frequent' or 'text'"
+        )
     if not 0.0 <= train_cfg["copy_frac"] <= 1.0:
         raise SystemExit(f"copy_frac must lie in [0, 1], got {train_cfg['copy_frac']}")
     if train_cfg["schedule"] not in ("wsd", "cosine"):
@@ -551,8 +559,15 @@ def run(train_cfg, cfg, dev, ptdtype, counts, ep, world, rank):
     tok, loader = prepare_data(cfg, master, distributed)
     gen = torch.Generator().manual_seed(seed)  # its state is the data position (the same on every rank)
 
+    probe_pool = None  # the copy probe also runs on the corpus' 512 most frequent ids (not in SFT)
+    if copy_probe_len > 0 and stage != "sft":
+        probe_pool = frequent_ids(loader, tok.eot_id, 512)
+    copy_ids = tok.eot_id  # copy rows draw from every id but the special tokens ...
+    if copy_source == "frequent" and stage != "sft":  # ... or from the corpus' most frequent ones
+        copy_ids = frequent_ids(loader, tok.eot_id, copy_top)
+
     def get_batch(split, g):
-        return rank_rows(loader, split, g, world, rank, dev, tok.eot_id)
+        return rank_rows(loader, split, g, world, rank, dev, copy_ids)
 
     # ---- the model and what this stage freezes; then sharding; then the optimizers (they hold the shards)
     config_dump = {"train": train_cfg, "model": dataclasses.asdict(cfg)}
@@ -623,6 +638,14 @@ def run(train_cfg, cfg, dev, ptdtype, counts, ep, world, rank):
                     f" | copy probe: loss {probe['first']:.2f} on the first copy, {probe['second']:.2f} on "
                     f"the second, top-1 {100 * probe['acc_second']:.0f}%"
                 )
+                if probe_pool is not None:
+                    with autocast:
+                        frequent = copy_probe(m, probe_pool, copy_probe_len)
+                    record["copy_frequent"] = frequent
+                    line += (
+                        f" (top-512 ids: {frequent['first']:.2f}, {frequent['second']:.2f}, "
+                        f"{100 * frequent['acc_second']:.0f}%)"
+                    )
             log(line, flush=True)
             if master:
                 append_metrics(metrics_path, record)
@@ -687,9 +710,18 @@ def rank_rows(loader, split, g, world, rank, dev, n_ids):
     return x[mine].to(dev), y[mine].to(dev)
 
 
+def frequent_ids(loader, n_ids, k):
+    """The k most frequent ids below n_ids in the training split (1-D tensor), counted over its shards."""
+    counts = np.zeros(n_ids, dtype=np.int64)
+    for shard in loader.shards["train"]:
+        counts += np.bincount(np.asarray(shard), minlength=n_ids)[:n_ids]
+    return torch.from_numpy(np.argsort(-counts, kind="stable")[:k].copy())
+
+
 def copy_rows(n, T, n_ids, g, text=None):
     """n synthetic rows that copying predicts: each a sequence of L ids, L drawn from [8, T // 2], repeated
-    to fill T + 1 tokens. The sequence is random ids from [0, n_ids) (copy_source "random": only copying
+    to fill T + 1 tokens. The sequence is random ids from [0, n_ids), or from the ids of n_ids when it is a
+    1-D tensor (copy_source "random" and "frequent": only copying
     predicts the repeats, and the targets inside the first occurrence are -1, ignored), or the first L
     tokens of a corpus window from `text` (n, T + 1) ("text": the first occurrence is ordinary language
     modelling, the repeats reward copying). Drawn from the data generator g, so resume stays exact.
@@ -697,7 +729,9 @@ def copy_rows(n, T, n_ids, g, text=None):
     rows, targets = [], []
     for i in range(n):
         L = int(torch.randint(8, max(9, T // 2 + 1), (), generator=g))
-        if text is None:
+        if text is None and torch.is_tensor(n_ids):
+            seq = n_ids[torch.randint(0, len(n_ids), (L,), generator=g)]
+        elif text is None:
             seq = torch.randint(0, n_ids, (L,), generator=g)
         else:
             seq = text[i, :L]

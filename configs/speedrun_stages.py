@@ -10,21 +10,26 @@ configs/toy.py, with --init_from the previous stage's ckpt.pt and an out_dir of 
 What buys the better model (measured with `python bench_train.py --configs=configs/toy.py --stages` and
 train.py runs side by side on this machine, 1 torch thread, load 3-5):
 - MTP off for the first 85% of pretraining: the MTP block's three passes and their three 4,096-way lm_head
-  calls are more than half of a pretraining step (2.2x the step without them); its weight comes on for the
-  last 15%, so the serving stack's MTP head is trained. In the sparse stage the MTP passes are 2.2x too
-  (sparse attention and its KL on three more block passes): off there, on for SFT's last 30%.
-- Muon 0.04 / AdamW 6e-3 (twice train.py's defaults) over 1,200 steps of 8 x 256 tokens (2.46M tokens,
-  0.7 epoch of the stdlib corpus): val lm 3.787, against 4.679 for the README's 200-step main job. The
-  WSD decay (last 20%) is where most of the last gain comes: 4.133 at step 1000, 3.787 at 1200.
+  calls are more than half of a pretraining step (2.22x the step without them); its weight comes on for
+  the last 15%, so the serving stack's MTP head is trained. Per step MTP helps a little (val 5.21 with it,
+  5.33 without at step 100, 4.72 / 4.80 at step 200, lr 0.02), per second it loses. In the sparse stage the
+  MTP passes cost as much again (3.94x against 1.82x a dense step): off there, on for SFT's last 30%.
+- WSD with the decay over the last third: 3.722 at step 1200 against 3.787 with the last 20%.
+- 1,200 steps of 8 x 256 tokens (2.46M tokens, 0.7 epoch of the stdlib corpus): val lm 3.72-3.79,
+  against 4.679 for the README's 200-step main job; samples have def, self, return and indentation.
 - One torch thread when anything else runs on the two cores: two threads under contention fell to about
   250 tokens/s (8 s steps), one thread kept 1,200-2,400.
-- Not taken: torch.compile (train.py's compile=True fails on a CPU: the fake of torch's grouped GEMM asks for
-  bf16 in training, experts.py's custom op covers inference only); block_size 512 (fewer tokens/s, the
-  attention's T^2); synthetic copy rows (train.py's copy_frac): they cost val loss and did not make the
-  toy model copy within the budget (the copy probe, train.copy_probe).
+- Muon 0.04 / AdamW 6e-3 is what the measured runs used; at equal steps train.py's 0.02 / 3e-3 was ahead
+  early (val 4.80 against 4.99 at step 200, both without MTP), so the defaults may be as good or better
+  after the decay: not measured to the end.
+- Not taken: torch.compile (train.py's compile=True fails on a CPU: the fake of torch's grouped GEMM asks
+  for bf16 in training, experts.py's custom op covers inference only); block_size 512 (fewer tokens/s,
+  the attention's T^2); synthetic copy rows (train.py's copy_frac): they cost val loss and did not make
+  the toy model copy within the budget (train.copy_probe; the same architecture learns to copy 64 or 512
+  distinct ids from scratch in 50 and 150 steps, but not the 4,079 ids of the vocabulary in 700).
 
-Wall times in WALL_S are per stage with these settings at load about 1-2 with one thread, estimated from
-the measured CPU time of the runs (see the SETTINGS.md of the toy helper's report for the raw figures).
+WALL_S: seconds per stage at load about 1-2 with one thread, from the runs' CPU time (pretraining: 10m41s
+user + 1m17s sys) and the step costs above (about 0.5 s of CPU per MTP-off pretraining step).
 """
 
 STAGES = {
@@ -33,6 +38,7 @@ STAGES = {
         warmup_iters=20,
         lr_muon=0.04,
         lr_adamw=6e-3,
+        decay_frac=0.334,  # WSD decay over the last third (from step 799)
         mtp_weight_early=0.0,
         mtp_weight_late=0.1,
         mtp_switch_frac=0.85,
@@ -71,5 +77,5 @@ STAGES = {
     ),
 }
 
-# seconds per stage at load about 1-2, one torch thread (filled from the measured runs)
-WALL_S = {"pretrain": 850, "dsa_warmup": 60, "dsa_sparse": 170, "sft": 300}
+# seconds per stage at load about 1-2, one torch thread (estimated from the measured CPU time)
+WALL_S = {"pretrain": 720, "dsa_warmup": 60, "dsa_sparse": 150, "sft": 260}

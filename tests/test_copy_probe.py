@@ -76,9 +76,28 @@ def test_bad_probe_sizes_are_refused():
         train.copy_probe(Copier(), 4079, length=1)
 
 
+def test_copy_rows_repeat_and_mask_the_first_occurrence():
+    g = torch.Generator().manual_seed(0)
+    x, y = train.copy_rows(3, 40, 4079, g)
+    assert x.shape == y.shape == (3, 40)
+    for row, target in zip(x, y):
+        L = int((target == -1).sum())  # the first occurrence and the second's first id are ignored
+        assert 8 <= L <= 20
+        assert torch.equal(row[L:], row[: 40 - L])  # period L
+        assert torch.equal(target[L:-1], row[L + 1 :])
+    pool = torch.tensor([3, 30, 300])
+    x, y = train.copy_rows(2, 40, pool, g)
+    assert set(x.flatten().tolist()) <= {3, 30, 300}
+    text = torch.arange(41).repeat(2, 1)
+    x, y = train.copy_rows(2, 40, 4079, g, text)
+    assert (y >= 0).all()  # a text window's first occurrence is ordinary language modelling
+    assert x[0, 0] == 0 and x[0, 1] == 1
+
+
 @pytest.mark.slow
 def test_training_logs_the_probe_at_every_evaluation(tmp_path):
-    tiny = ["--hidden_size=32", "--intermediate_size=64", "--moe_intermediate_size=16", "--num_hidden_layers=2"]
+    tiny = ["--hidden_size=32", "--intermediate_size=64", "--moe_intermediate_size=16"]
+    tiny += ["--num_hidden_layers=2"]
     tiny += ["--q_lora_rank=16", "--kv_lora_rank=16", "--block_size=32", "--batch_size=2", "--eval_iters=1"]
     args = ["configs/toy.py", *tiny, "--max_iters=4", "--eval_interval=2", "--sample_tokens=0"]
     args += [f"--out_dir={tmp_path}", "--copy_probe_len=16", "--device=cpu"]
@@ -89,4 +108,5 @@ def test_training_logs_the_probe_at_every_evaluation(tmp_path):
     evals = [x for x in recs if "val_lm" in x]
     assert [x["step"] for x in evals] == [2, 4]
     assert all(set(x["copy"]) == {"first", "second", "acc_second"} for x in evals), evals
+    assert all(set(x["copy_frequent"]) == {"first", "second", "acc_second"} for x in evals), evals
     assert "copy probe: loss" in r.stdout
