@@ -26,6 +26,9 @@ Run it:
     python bench_train.py --device=cuda                     # small in bf16 autocast on one GPU
     python bench_train.py --configs=configs/small.py --layers=2 --block_size=512
     python bench_train.py --configs=configs/toy.py --experts=grouped   # one path only (half the memory)
+    python bench_train.py --configs=configs/toy.py --experts=grouped --mtp_weight=0   # without the MTP passes
+    python bench_train.py --configs=configs/toy.py --stages --steps=3   # each pipeline stage's step
+    python bench_train.py --copy_probe=out/ckpt.pt,out_sft/ckpt.pt      # can they copy from context?
 
 Honest limits:
 - configs/small.py is 1.37B parameters; training it in fp32 needs about 12-16 bytes per parameter plus
@@ -102,7 +105,7 @@ def estimate_bytes(cfg, B, T, dev):
     c = model.param_counts(m)
     total, adamw = c["total (with MTP)"], c["embeddings + lm_head"]
     states = 12 * total + 8 * adamw
-    S = cfg.num_mtp_steps if cfg.num_nextn_predict_layers else 0
+    S = cfg.num_mtp_steps if cfg.num_nextn_predict_layers and args.mtp_weight else 0
     H, D = cfg.num_attention_heads, cfg.hidden_size
     per_layer = (
         6 * D
@@ -240,7 +243,7 @@ def time_steps(cfg, B, T, args, dev, dtype):
 
     def forward_backward(m):
         with autocast:
-            _, losses = m(x[:, :-1], x[:, 1:], mtp_weight=0.3, balance_weight=1e-4)
+            _, losses = m(x[:, :-1], x[:, 1:], mtp_weight=args.mtp_weight, balance_weight=1e-4)
         losses["loss"].backward()
 
     def step(impl):
@@ -283,10 +286,95 @@ def time_steps(cfg, B, T, args, dev, dtype):
         o.zero_grad(set_to_none=True)
     counted = fc.get_total_flops()
     seen_attention = any("attention" in str(op) for op in fc.get_flop_counts()["Global"])
-    S = cfg.num_mtp_steps if cfg.num_nextn_predict_layers else 0
+    S = cfg.num_mtp_steps if cfg.num_nextn_predict_layers and args.mtp_weight else 0
     if not seen_attention:
         counted += B * T * attention_flops_per_token(cfg, T, cfg.num_hidden_layers + S)
     return dt, mem, counted, seen_attention
+
+
+# -----------------------------------------------------------------------------
+# --stages: one step of each pipeline stage's objective, side by side (the speedrun's budget per stage)
+
+# stage label -> (dsa_mode, MTP weight, indexer KL on, loss backpropagated, only the indexers train)
+STAGE_STEPS = {
+    "pretrain, MTP 0.3": ("dense", 0.3, False, "loss", False),
+    "pretrain, MTP off": ("dense", 0.0, False, "loss", False),
+    "dsa_warmup, MTP 0.1": ("dense", 0.1, True, "indexer_kl", True),
+    "dsa_warmup, MTP off": ("dense", 0.0, True, "indexer_kl", True),
+    "dsa_sparse/sft, MTP 0.3": ("sparse", 0.3, True, "loss", False),
+    "dsa_sparse/sft, MTP off": ("sparse", 0.0, True, "loss", False),
+}
+
+
+def time_stages(path, args):
+    """Time one optimizer step of every entry of STAGE_STEPS on one model of config `path` on the CPU, the
+    entries taking turns step by step (so load from other processes hits them alike); the SFT step costs
+    what the sparse stage's does (same mode, same shapes; only the loss mask differs). Prints ms/step,
+    tokens/s and the ratio to the plain pretraining step."""
+    cfg, rest = model.load_config_file(path)
+    T = args.block_size or int(rest.get("block_size", 256))
+    B = args.batch_size or max(1, 2048 // T)
+    torch.manual_seed(0)
+    m = model.GLM5(cfg)
+    opts = muon.build_optimizers(m, lr_muon=0.02, lr_adamw=3e-3)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randint(0, cfg.vocab_size, (B, T + 1), generator=gen)
+    times = {k: [] for k in STAGE_STEPS}
+    for i in range(args.warmup + args.steps):
+        for label, (mode, w_mtp, kl, key, indexers_only) in STAGE_STEPS.items():
+            m.config.dsa_mode = mode
+            for n, p in m.named_parameters():
+                p.requires_grad_(".indexer." in n or not indexers_only)
+            t0 = time.perf_counter()
+            _, losses = m(x[:, :-1], x[:, 1:], mtp_weight=w_mtp, balance_weight=1e-4, indexer_kl=kl)
+            losses[key].backward()
+            for o in opts:
+                o.step()
+                o.zero_grad(set_to_none=True)
+            model.update_router_bias(m, 0.0 if indexers_only else 1e-3)
+            if i >= args.warmup:
+                times[label].append(time.perf_counter() - t0)
+    print(f"\n{describe_machine('cpu')}\nconfig {path}, B x T = {B} x {T}, median of {args.steps} steps")
+    base = sorted(times["pretrain, MTP off"])[args.steps // 2]
+    for label, t in times.items():
+        dt = sorted(t)[args.steps // 2]
+        print(f"{label:<26} {1000 * dt:>8.0f} ms/step {B * T / dt:>8,.0f} tok/s {dt / base:>6.2f}x")
+
+
+# -----------------------------------------------------------------------------
+# --copy_probe: can a checkpoint copy from its context?
+
+
+def probe_checkpoints(paths, args):
+    """train.copy_probe on each train.py checkpoint in `paths`, with ids drawn from the whole vocabulary
+    (but the special tokens) and from the --probe_top most frequent ids of the pretraining corpus (names,
+    digits and keywords: what an RL task asks a policy to copy). Prints first/second-copy losses and
+    the top-1 accuracy on the second copy per checkpoint."""
+    import numpy as np
+
+    import data
+    from tokenizer import get_tokenizer
+    from train import copy_probe, load_checkpoint
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    tok = get_tokenizer(4096, cache_dir=os.path.join(here, "data"))
+    loader = data.DataLoader(os.path.join(here, "data/stdlib"))
+    counts = np.zeros(tok.vocab_size, dtype=np.int64)
+    for shard in loader.shards["train"]:
+        counts += np.bincount(np.asarray(shard), minlength=tok.vocab_size)[: tok.vocab_size]
+    counts[tok.eot_id :] = 0  # no special tokens
+    frequent = torch.from_numpy(np.argsort(-counts)[: args.probe_top].copy())
+    print(f"copy probe: 16 rows of 2 x {args.probe_len} ids; loss on the first copy / on the second, top-1")
+    for path in paths:
+        ck = load_checkpoint(path, "--copy_probe")
+        m = model.GLM5(model.ModelConfig(**ck["config"]["model"]))
+        m.load_state_dict(ck["model"])
+        where = f"{path} (step {ck['step']}, {ck['config']['train']['stage']})"
+        cells = []
+        for name, ids in ((f"all {tok.eot_id} ids", tok.eot_id), (f"top {args.probe_top} ids", frequent)):
+            r = copy_probe(m, ids, args.probe_len)
+            cells.append(f"{name}: {r['first']:.2f} / {r['second']:.2f}, {100 * r['acc_second']:.0f}%")
+        print(f"{where}\n    " + " | ".join(cells))
 
 
 # -----------------------------------------------------------------------------
@@ -297,7 +385,7 @@ def print_table(results, args, dev, peak, dname):
     """The table, with the machine named again under it (one row per config that fit)."""
     print(
         f"\n{describe_machine(dev)}\npeak {peak / 1e12:.3f} TFLOP/s {dname}; "
-        f"dense pretraining step with MTP, Muon + AdamW; "
+        f"dense pretraining step with MTP weight {args.mtp_weight}, Muon + AdamW; "
         f"median of {args.steps} steps after {args.warmup} warmup"
     )
     head = (
@@ -346,6 +434,20 @@ def main():
         default=0,
         help="num_hidden_layers to run (0: the config's, cut if it does not fit)",
     )
+    ap.add_argument(
+        "--mtp_weight",
+        type=float,
+        default=0.3,
+        help="MTP loss weight of the timed step; 0 skips the MTP block's passes (train.py's early phase)",
+    )
+    ap.add_argument(
+        "--stages",
+        action="store_true",
+        help="time each pipeline stage's step side by side (CPU, first config only), not the table",
+    )
+    ap.add_argument("--copy_probe", default="", help="comma-separated ckpt.pt files: their copy probe only")
+    ap.add_argument("--probe_len", type=int, default=64, help="--copy_probe: ids in each copy")
+    ap.add_argument("--probe_top", type=int, default=512, help="--copy_probe: the frequent-id pool's size")
     ap.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     ap.add_argument(
         "--experts",
@@ -369,6 +471,12 @@ def main():
         )
     if not 0 < args.mem_frac <= 0.9:
         raise SystemExit("--mem_frac must be in (0, 0.9]; leave the rest to the system and other processes")
+    if args.copy_probe:
+        probe_checkpoints(args.copy_probe.split(","), args)
+        return
+    if args.stages:
+        time_stages(args.configs.split(",")[0], args)
+        return
     dev = pick_device(args.device)
     dtype = torch.bfloat16 if dev.startswith("cuda") and torch.cuda.is_bf16_supported() else torch.float32
     if dev.startswith("cuda"):

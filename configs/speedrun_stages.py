@@ -1,0 +1,84 @@
+"""
+The speedrun's training settings, stage by stage, for the toy GLM-5 (configs/toy.py, architecture unchanged)
+on a 2-core CPU in about 25 minutes of training (issue 19: pretrain, DSA warm-up, sparse stage, SFT). Not a
+train.py config file: a speedrun reads STAGES and passes each stage's entries as --key=value after
+configs/toy.py, with --init_from the previous stage's ckpt.pt and an out_dir of its own:
+
+    python train.py configs/toy.py --out_dir=RUN/pretrain --max_iters=1200 --lr_muon=0.04 ...
+    python train.py configs/toy.py --stage=dsa_warmup --init_from=RUN/pretrain/ckpt.pt ...
+
+What buys the better model (measured with `python bench_train.py --configs=configs/toy.py --stages` and
+train.py runs side by side on this machine, 1 torch thread, load 3-5):
+- MTP off for the first 85% of pretraining: the MTP block's three passes and their three 4,096-way lm_head
+  calls are more than half of a pretraining step (2.22x the step without them); its weight comes on for
+  the last 15%, so the serving stack's MTP head is trained. Per step MTP helps a little (val 5.21 with it,
+  5.33 without at step 100, 4.72 / 4.80 at step 200, lr 0.02), per second it loses. In the sparse stage the
+  MTP passes cost as much again (3.94x against 1.82x a dense step): off there, on for SFT's last 30%.
+- WSD with the decay over the last third: 3.722 at step 1200 against 3.787 with the last 20%.
+- 1,200 steps of 8 x 256 tokens (2.46M tokens, 0.7 epoch of the stdlib corpus): val lm 3.72-3.79,
+  against 4.679 for the README's 200-step main job; samples have def, self, return and indentation.
+- Against train.py's defaults at about the same compute (820 steps, lr 0.02, MTP on: val 3.732 in 925 s of
+  CPU): 3.787 (decay 20%) and 3.722 (decay a third) in about 718 s. Per second a gain of about a fifth,
+  not the 2.2x of the step time: per step the defaults learn more (4.104 against 4.359 at step 500).
+- One torch thread when anything else runs on the two cores: two threads under contention fell to about
+  250 tokens/s (8 s steps), one thread kept 1,200-2,400.
+- Muon 0.04 / AdamW 6e-3 is what the measured runs used; at equal steps train.py's 0.02 / 3e-3 was ahead
+  early (val 4.80 against 4.99 at step 200, both without MTP), so the defaults may be as good or better
+  after the decay: not measured to the end.
+- Not taken: torch.compile (train.py's compile=True fails on a CPU: the fake of torch's grouped GEMM asks
+  for bf16 in training, experts.py's custom op covers inference only); block_size 512 (fewer tokens/s,
+  the attention's T^2); synthetic copy rows (train.py's copy_frac): they cost val loss and did not make
+  the toy model copy within the budget (train.copy_probe; the same architecture learns to copy 64 or 512
+  distinct ids from scratch in 50 and 150 steps, but not the 4,079 ids of the vocabulary in 700).
+
+WALL_S: seconds per stage at load about 1-2 with one thread, from the runs' CPU time (pretraining: 10m41s
+user + 1m17s sys) and the step costs above (about 0.5 s of CPU per MTP-off pretraining step).
+"""
+
+STAGES = {
+    "pretrain": dict(
+        max_iters=1200,
+        warmup_iters=20,
+        lr_muon=0.04,
+        lr_adamw=6e-3,
+        decay_frac=0.334,  # WSD decay over the last third (from step 799)
+        mtp_weight_early=0.0,
+        mtp_weight_late=0.1,
+        mtp_switch_frac=0.85,
+        eval_interval=100,
+        log_interval=10,
+    ),
+    "dsa_warmup": dict(
+        stage="dsa_warmup",
+        max_iters=60,
+        warmup_iters=5,
+        mtp_weight_early=0.1,  # the MTP block's indexer warms up too (its KL joins the loss)
+        mtp_weight_late=0.1,
+        eval_interval=60,
+        eval_iters=4,
+        log_interval=10,
+        sample_tokens=0,
+    ),
+    "dsa_sparse": dict(
+        stage="dsa_sparse",
+        max_iters=150,
+        warmup_iters=10,
+        mtp_weight_early=0.0,
+        mtp_weight_late=0.0,
+        eval_interval=150,
+        log_interval=10,
+    ),
+    "sft": dict(
+        stage="sft",
+        max_iters=200,
+        warmup_iters=10,
+        mtp_weight_early=0.0,
+        mtp_weight_late=0.1,
+        mtp_switch_frac=0.7,
+        eval_interval=200,
+        log_interval=10,
+    ),
+}
+
+# seconds per stage at load about 1-2, one torch thread (estimated from the measured CPU time)
+WALL_S = {"pretrain": 720, "dsa_warmup": 60, "dsa_sparse": 150, "sft": 260}
