@@ -76,7 +76,8 @@ PRESETS = {
         "sft": dict(max_iters=200, batch_size=8, block_size=512, eval_interval=100, eval_iters=10,
                     sample_tokens=0),
         "rl": dict(max_steps=30, eval_every=15, eval_episodes=24, ckpt_every=5),
-        "eval": dict(val_batches=8, val_block=256, probes=32, probe_len=256, serve_prompts=8, new_tokens=32,
+        # probe_len 384: the passkey sits farther back than a 64-key window reaches through 4 layers (252)
+        "eval": dict(val_batches=8, val_block=256, probes=32, probe_len=384, serve_prompts=8, new_tokens=32,
                      mtp_drafts=3, cache_groups=2, cache_max_tokens=16, quant_batches=8),
     },
     # a GPU and configs/small.py: python speedrun.py --device cuda --config configs/small.py --preset gpu
@@ -261,7 +262,7 @@ def run_stage(name, run_dir, table, args, log=print):
         "wall_s": wall,
         "commands": cmds,
         "load": os.getloadavg(),
-        "settings": table.get(name, table["eval"] if name.startswith("eval_") else {}),
+        "settings": table.get(name, {}),
     }
     with open(os.path.join(d, "done.json"), "w") as f:
         json.dump(done, f, indent=1)

@@ -150,23 +150,25 @@ def make_probes(tok, n, length, seed=0):
     g = torch.Generator().manual_seed(seed)
     newline = tok.encode("\n")
     probes = []
+    pre = tok.encode("PASSKEY =")
+    query = newline + pre
     for _ in range(n):
-        value, other = torch.randint(1000, 10000, (2,), generator=g).tolist()
-        if other == value:
-            other = 1000 + (value + 1) % 9000
-        pre = tok.encode("PASSKEY =")
+        value = int(torch.randint(1000, 10000, (1,), generator=g))
         full = tok.encode(f"PASSKEY = {value}")
         assert full[: len(pre)] == pre, "the prefix must tokenize the same with the number after it"
         answer = full[len(pre) :]
-        wrong = tok.encode(f"PASSKEY = {other}")
-        query = newline + pre
+        wrong = full
+        while wrong == full or len(wrong) != len(full):  # same length: every later token keeps its position
+            other = int(torch.randint(1000, 10000, (1,), generator=g))
+            wrong = tok.encode(f"PASSKEY = {other}")
         n_fill = length - len(full) - len(newline) - len(query) - len(answer)
         x, _ = loader.get_batch("val", 1, n_fill, generator=g)
         filler = x[0].tolist()
         ids = full + newline + filler + query + answer
         control = wrong + newline + filler + query + answer
+        assert len(ids) == len(control) == length
         keys = list(range(len(pre), len(full)))
-        probes.append((ids[:length], len(ids) - len(answer), answer, keys, control[:length]))
+        probes.append((ids, len(ids) - len(answer), answer, keys, control))
     return probes
 
 
@@ -231,6 +233,10 @@ def part_dsa(run_dir, s, dev):
         "n": len(probes),
         "length": s["probe_len"],
         "passkey_distance": probes[0][1] - probes[0][3][0],
+        # what a window of K keys per layer reaches through the stack, hop by hop (K - 1 back per layer)
+        "window_reach": sparse.config.num_hidden_layers * (topk - 1),
+        # a selection of K of the answer position's visible keys, drawn at random, holds a key this often
+        "kept_by_chance": topk / probes[0][1],
         "dense (pretrain, full attention)": run_probe(dense, probes, "dsa", dev),
         "DSA (sparse model, indexer top-k)": run_probe(sparse, probes, "dsa", dev),
         "window (sparse model, last-k)": run_probe(sparse, probes, "window", dev),

@@ -205,12 +205,16 @@ def section_dsa(run_dir, failed):
             f"in place of top-k {r['val_sparse_window']:.4f}\n"
         )
         p = r["probe"]
+        reach = "cannot see the passkey at all"
+        if p["window_reach"] >= p["passkey_distance"]:
+            reach = "could reach the passkey only hop by hop"
         out.append(
             f"\nLong-context probe: {p['n']} contexts of {p['length']} tokens, a `PASSKEY = <4 digits>` line "
-            f"first, asked for again {p['passkey_distance']} tokens later; each query keeps {k} keys. "
+            f"first, asked for again {p['passkey_distance']} tokens later; each query keeps {k} keys (a "
+            f"window reaches {p['window_reach']} tokens back through the layers, so it {reach}). "
             "gain: the answer's log-prob minus that of a control whose first line holds another number (what "
             "the model took from the passkey); kept: how often the selection at the answer holds the "
-            "passkey's tokens.\n\n"
+            f"passkey's tokens, in every layer (a random choice of {k} keys: {p['kept_by_chance']:.0%}).\n\n"
             "| model, selection | answer log-prob | accuracy | gain over control | passkey kept |\n"
             "|---|---|---|---|---|\n"
         )
@@ -276,10 +280,9 @@ def section_quant(run_dir, failed):
     out = ["## Quantization\n"]
     r = read_json(os.path.join(run_dir, "eval_quant", "result.json"))
     if r is None:
-        name = (
-            "quantize" if not os.path.isfile(os.path.join(run_dir, "quantize", "done.json")) else "eval_quant"
-        )
-        return out + [skipped(name, failed)]
+        if os.path.isfile(os.path.join(run_dir, "quantize", "done.json")):
+            return out + [skipped("eval_quant", failed)]
+        return out + [skipped("quantize", failed)]
     out.append(
         f"Of {r['source']}, on {r['val_tokens']:,} held-out tokens:\n\n"
         "| scheme | bytes on disk | weight bytes per token | val loss | ppl | d ppl vs BF16 |\n"
@@ -291,10 +294,11 @@ def section_quant(run_dir, failed):
             f"{v['val_loss']:.4f} | {v['ppl']:.3f} | {100 * v['d_ppl']:+.2f}% |\n"
         )
     w4 = r["schemes"]["w4a8_rot"]
+    bf16 = r["schemes"]["BF16"]
     out.append(
         f"\nW4A8 with rotation: **{100 * w4['d_ppl']:+.2f}%** perplexity against BF16, "
-        f"{w4['bytes'] / r['schemes']['BF16']['bytes']:.2f}x its bytes on disk, "
-        f"{w4['bytes_per_token'] / r['schemes']['BF16']['bytes_per_token']:.2f}x its weight bytes per token.\n"
+        f"{w4['bytes'] / bf16['bytes']:.2f}x its bytes on disk, "
+        f"{w4['bytes_per_token'] / bf16['bytes_per_token']:.2f}x its weight bytes per token.\n"
     )
     out.append(
         "\nbytes per token: the weights one decoded token reads (the active experts only). The rotated "
@@ -357,7 +361,11 @@ def stage_table(run_dir, stages, failed):
             s = rl_summary(run_dir)
             tokens = f"{s['tokens']:,}"
             losses = f"reward (last step) {s['reward_curve'][-1][1]:.3f}" if s["reward_curve"] else ""
-        status = "done" if done else ("FAILED" if failed == name else "not run")
+        status = "not run"
+        if done:
+            status = "done"
+        elif failed == name:
+            status = "FAILED"
         wall = ""
         if done:
             wall = f"{done['wall_s']:.0f}s"

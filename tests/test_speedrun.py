@@ -7,6 +7,7 @@ Run: python -m pytest -q tests/test_speedrun.py   (add -m "not slow" for the fas
 
 import os
 import re
+import sys
 
 import pytest
 import torch
@@ -105,3 +106,9 @@ def test_tiny_pipeline_end_to_end_every_section_has_a_number(tmp_path, capsys):
     speedrun.main(tiny(tmp_path))  # the re-run: every stage skipped
     out = capsys.readouterr().out
     assert out.count("already done") == len(speedrun.STAGES)
+
+
+def test_report_without_matplotlib_says_plots_skipped(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    speedrun_report.write_report(str(tmp_path), speedrun.STAGE_NAMES, {"preset": "tiny"})
+    assert "plots skipped: matplotlib not installed" in open(tmp_path / "report.md").read()
