@@ -77,22 +77,21 @@ PRESETS = {
                     sample_tokens=0),
         "rl": dict(max_steps=30, eval_every=15, eval_episodes=24, ckpt_every=5),
         # probe_len 384: the passkey sits farther back than a 64-key window reaches through 4 layers (252)
+        # mtp_drafts 4: the report's accept length is measured with 4 speculative steps
         "eval": dict(val_batches=8, val_block=256, probes=32, probe_len=384, serve_prompts=8, new_tokens=32,
-                     mtp_drafts=3, cache_groups=2, cache_max_tokens=16, quant_batches=8),
+                     mtp_drafts=4, cache_groups=2, cache_max_tokens=16, quant_batches=8),
     },
     # a GPU and configs/small.py: python speedrun.py --device cuda --config configs/small.py --preset gpu
     "gpu": {
-        "pretrain": dict(max_iters=5000, batch_size=32, block_size=1024, eval_interval=500, eval_iters=20,
-                         sample_tokens=64),
-        "dsa_warmup": dict(max_iters=500, batch_size=32, block_size=1024, lr_adamw=5e-3, warmup_iters=20,
-                           eval_interval=250, eval_iters=20, sample_tokens=0),
-        "dsa_sparse": dict(max_iters=1000, batch_size=32, block_size=1024, eval_interval=500, eval_iters=20,
-                           sample_tokens=0),
+        "pretrain": dict(max_iters=5000, batch_size=16, eval_interval=500, eval_iters=20, sample_tokens=64),
+        "dsa_warmup": dict(max_iters=500, batch_size=16, lr_adamw=5e-3, warmup_iters=20, eval_interval=250,
+                           eval_iters=20, sample_tokens=0),
+        "dsa_sparse": dict(max_iters=1000, batch_size=16, eval_interval=500, eval_iters=20, sample_tokens=0),
         "episodes": dict(per_env=1000),
-        "sft": dict(max_iters=1000, batch_size=16, block_size=1024, eval_interval=250, eval_iters=20,
-                    sample_tokens=0),
-        "rl": dict(max_steps=100, num_replicas=2, eval_every=25, eval_episodes=48, ckpt_every=25),
-        "eval": dict(val_batches=16, val_block=1024, probes=64, probe_len=1024, serve_prompts=16,
+        "sft": dict(max_iters=1000, batch_size=16, eval_interval=250, eval_iters=20, sample_tokens=0),
+        "rl": dict(max_steps=100, eval_every=25, eval_episodes=48, ckpt_every=25),
+        # probe_len 4096: past what small.py's 256-key window reaches through its 12 layers (3060)
+        "eval": dict(val_batches=16, val_block=2048, probes=64, probe_len=4096, serve_prompts=16,
                      new_tokens=64, mtp_drafts=4, cache_groups=4, cache_max_tokens=16, quant_batches=16),
     },
 }
@@ -194,8 +193,8 @@ def stage_commands(name, run_dir, table, args):
         out = os.path.join(d, "episodes.jsonl")
         n = str(table["episodes"]["per_env"])
         envs = table["episodes"].get("envs", "math,search,terminal,general")
-        cmd = [py, "sft_data.py", "--sft", n, out + ".tmp", "--difficulty", "0", "--env", envs]
-        return [cmd, [py, "-c", f"import os; os.replace({out + '.tmp'!r}, {out!r})"]], [out]
+        # a file left by a stopped run is written again whole: the stage counts as done only by done.json
+        return [[py, "sft_data.py", "--sft", n, out, "--difficulty", "0", "--env", envs]], [out]
     if name == "rl":
         cmd = [
             py,
@@ -238,10 +237,12 @@ def run_stage(name, run_dir, table, args, log=print):
     t0 = time.time()
     with open(log_path, "a") as f:
         for cmd in cmds:
-            shown = " ".join(os.path.relpath(c, HERE) if c == sys.executable else c for c in cmd)
-            f.write(f"==> {shown}\n")
+            f.write(f"==> python {' '.join(cmd[1:])}\n")
             f.flush()
-            p = subprocess.Popen(cmd, cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            env = dict(os.environ, PYTHONUNBUFFERED="1")  # its lines as they come, not when a buffer fills
+            p = subprocess.Popen(
+                cmd, cwd=HERE, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            )
             for line in p.stdout:
                 f.write(line)
                 if not args.quiet:

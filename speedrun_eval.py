@@ -39,8 +39,10 @@ import chat
 import data
 import dsa
 import engine
+import rollout
 import sampling
 import weights
+from speedrun import final_ckpt
 from tokenizer import get_tokenizer
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -53,14 +55,8 @@ STAGE_CKPTS = [  # (the report's name, the path under the run directory), in pip
     ("w4a8_rot", "quantize/w4a8_rot"),
 ]
 CHAT_STAGES = ("sft", "rl", "w4a8_rot")
-CHAT_QUESTION = "What is 3 + 4?"
-
-
-def final_ckpt(run_dir):
-    """The last trained policy: RL's if that stage finished, else SFT's (speedrun.final_ckpt)."""
-    if os.path.isfile(os.path.join(run_dir, "rl", "done.json")):
-        return os.path.join(run_dir, "rl", "ckpt.pt")
-    return os.path.join(run_dir, "sft", "ckpt.pt")
+# a toy-level math task as the environment episodes pose it (env_math's wording, rollout.py's system prompt)
+CHAT_QUESTION = "Compute 7 - 2. Give the exact answer (an integer or a fraction) in \\boxed{}."
 
 
 def need(path):
@@ -225,6 +221,9 @@ def part_dsa(run_dir, s, dev):
         with Selection("dsa"):
             out["val_warmup_sparse"] = bq.val_loss(warm, batches)
             out["val_sparse"] = bq.val_loss(sparse, batches)
+        # the same sparse weights with dense attention: what the top-k selection itself costs
+        out["val_sparse_as_dense"] = bq.val_loss(set_dsa_mode(sparse, "dense"), batches)
+        set_dsa_mode(sparse, "sparse")
         with Selection("window"):
             out["val_sparse_window"] = bq.val_loss(sparse, batches)
     tok = get_tokenizer(4096, cache_dir=os.path.join(HERE, "data"), verbose=False)
@@ -304,8 +303,8 @@ def chat_replies(m, tok, n_new):
     out = {}
     eng = engine.Engine(m, tok, num_pages=64, page_size=16, max_batch=1, prefix_cache=False)
     for thinking in (True, False):
-        user = [{"role": "user", "content": CHAT_QUESTION}]
-        prompt = chat.render(user, tok, enable_thinking=thinking, add_generation_prompt=True)[0]
+        messages = [{"role": "system", "content": rollout.SYSTEM}, {"role": "user", "content": CHAT_QUESTION}]
+        prompt = chat.render(messages, tok, enable_thinking=thinking, add_generation_prompt=True)[0]
         sp = sampling.SamplingParams(max_tokens=n_new, temperature=0)
         r = eng.generate([prompt], sp)[0]
         opened = prompt[-1] == tok.encode_chat_token("<think>")

@@ -181,8 +181,10 @@ def section_dsa(run_dir, failed):
         f"- warm-up: {w['steps']} steps, {w['tokens']:,} tokens; indexer KL {fmt(first)} at step 1 -> "
         f"**{fmt(w['last'].get('indexer_kl'))}** at the end (the indexer alone learns; the model is frozen)\n"
     )
+    sparse_steps = 0
     if os.path.isfile(os.path.join(run_dir, "dsa_sparse", "done.json")):
         s = train_summary(run_dir, "dsa_sparse")
+        sparse_steps = s["steps"]
         out.append(
             f"- sparse stage: {s['steps']} steps, {s['tokens']:,} tokens; "
             f"final train lm {fmt(s['last'].get('lm'))}, "
@@ -200,7 +202,9 @@ def section_dsa(run_dir, failed):
             f"index_topk {k}): dense "
             f"(pretrain) **{r['val_dense']:.4f}**; the warm-up model attending sparsely "
             f"{r['val_warmup_sparse']:.4f}; the sparse model **{r['val_sparse']:.4f}** "
-            f"({r['val_sparse'] - r['val_dense']:+.4f} vs dense); "
+            f"({r['val_sparse'] - r['val_dense']:+.4f} vs dense, after {sparse_steps} more steps "
+            f"of training; the same sparse weights with dense attention {r['val_sparse_as_dense']:.4f}, so the "
+            f"top-k selection itself costs {r['val_sparse'] - r['val_sparse_as_dense']:+.4f}); "
             f"the sparse model with a {k}-token sliding window "
             f"in place of top-k {r['val_sparse_window']:.4f}\n"
         )
