@@ -5,6 +5,7 @@ sliding window keeps exactly the last index_topk positions, as DSA keeps index_t
 Run: python -m pytest -q tests/test_speedrun.py   (add -m "not slow" for the fast part)
 """
 
+import argparse
 import os
 import re
 import sys
@@ -112,3 +113,18 @@ def test_report_without_matplotlib_says_plots_skipped(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
     speedrun_report.write_report(str(tmp_path), speedrun.STAGE_NAMES, {"preset": "tiny"})
     assert "plots skipped: matplotlib not installed" in open(tmp_path / "report.md").read()
+
+
+def test_a_stage_stopped_midway_resumes_from_its_own_checkpoint(tmp_path):
+    args = argparse.Namespace(device="cpu", config="configs/toy.py")
+    table = speedrun.stage_settings("tiny", [])
+    run = str(tmp_path)
+    for name in ("pretrain", "rl"):
+        cmds, outputs = speedrun.stage_commands(name, run, table, args)
+        assert "--resume=True" not in cmds[0] and outputs == [os.path.join(run, name, "ckpt.pt")]
+        os.makedirs(os.path.join(run, name))
+        open(os.path.join(run, name, "ckpt.pt"), "w").close()  # a checkpoint, and no done.json
+        cmds, _ = speedrun.stage_commands(name, run, table, args)
+        assert "--resume=True" in cmds[0]
+    cmds, _ = speedrun.stage_commands("sft", run, table, args)
+    assert f"--init_from={os.path.join(run, 'dsa_sparse', 'ckpt.pt')}" in cmds[0]
