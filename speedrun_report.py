@@ -55,6 +55,11 @@ FIGURES = {  # what the report says for each stage, cited by section
 # Reading the run directory
 
 
+def finished(run_dir, name):
+    """A stage finished when speedrun.py wrote its done.json."""
+    return os.path.isfile(os.path.join(run_dir, name, "done.json"))
+
+
 def read_json(path):
     if not os.path.isfile(path):
         return None
@@ -156,7 +161,7 @@ def skipped(name, failed):
 
 def section_pretrain(run_dir, failed):
     out = ["## Pretraining (dense)\n"]
-    if not os.path.isfile(os.path.join(run_dir, "pretrain", "done.json")):
+    if not finished(run_dir, "pretrain"):
         return out + [skipped("pretrain", failed)]
     s = train_summary(run_dir, "pretrain")
     out.append(
@@ -173,7 +178,7 @@ def section_pretrain(run_dir, failed):
 
 def section_dsa(run_dir, failed):
     out = ["## DSA: warm-up, sparse stage, long-context probe\n"]
-    if not os.path.isfile(os.path.join(run_dir, "dsa_warmup", "done.json")):
+    if not finished(run_dir, "dsa_warmup"):
         return out + [skipped("dsa_warmup", failed)]
     w = train_summary(run_dir, "dsa_warmup")
     first = w["curve"][0][2] if w["curve"] else None
@@ -182,7 +187,7 @@ def section_dsa(run_dir, failed):
         f"**{fmt(w['last'].get('indexer_kl'))}** at the end (the indexer alone learns; the model is frozen)\n"
     )
     sparse_steps = 0
-    if os.path.isfile(os.path.join(run_dir, "dsa_sparse", "done.json")):
+    if finished(run_dir, "dsa_sparse"):
         s = train_summary(run_dir, "dsa_sparse")
         sparse_steps = s["steps"]
         out.append(
@@ -235,7 +240,7 @@ def section_dsa(run_dir, failed):
 
 def section_sft(run_dir, failed):
     out = ["## SFT (stdlib conversations + environment episodes)\n"]
-    if not os.path.isfile(os.path.join(run_dir, "sft", "done.json")):
+    if not finished(run_dir, "sft"):
         return out + [skipped("sft", failed)]
     s = train_summary(run_dir, "sft")
     eps = os.path.join(run_dir, "episodes", "episodes.jsonl")
@@ -263,7 +268,7 @@ def section_sft(run_dir, failed):
 
 def section_rl(run_dir, failed):
     out = ["## RL (rl_async.py, asynchronous, toy-level tasks)\n"]
-    if not os.path.isfile(os.path.join(run_dir, "rl", "done.json")):
+    if not finished(run_dir, "rl"):
         return out + [skipped("rl", failed)]
     s = rl_summary(run_dir)
     out.append(
@@ -284,7 +289,7 @@ def section_quant(run_dir, failed):
     out = ["## Quantization\n"]
     r = read_json(os.path.join(run_dir, "eval_quant", "result.json"))
     if r is None:
-        if os.path.isfile(os.path.join(run_dir, "quantize", "done.json")):
+        if finished(run_dir, "quantize"):
             return out + [skipped("eval_quant", failed)]
         return out + [skipped("quantize", failed)]
     out.append(
