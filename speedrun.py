@@ -322,6 +322,12 @@ def main(argv=None):
             except StageFailed as e:
                 write_report(run_dir, table, args, failed=name)
                 raise SystemExit(str(e)) from None
+            except KeyboardInterrupt:  # Ctrl-C reached the stage's process too
+                write_report(run_dir, table, args)
+                raise SystemExit(
+                    f"speedrun: stopped during stage {name}; the same command resumes it from its last "
+                    "checkpoint"
+                ) from None
             write_report(run_dir, table, args)
         if name == args.stop_after:
             break
