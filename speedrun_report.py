@@ -392,8 +392,8 @@ def write_report(run_dir, stages, args, failed=None):
     lines = [
         f"# nanoGLM workshop run: {os.path.basename(run_dir)}\n\n",
         f"`python speedrun.py --preset {args.get('preset')} --config {args.get('config')} --device "
-        f"{args.get('device')}` on {platform.machine()}, {os.cpu_count()} cores, load average {load} when "
-        "this was written.",
+        f"{args.get('device')}{''.join(' --set ' + x for x in args.get('set') or [])}` on "
+        f"{platform.machine()}, {os.cpu_count()} cores, load average {load} when this was written.",
         f" **Stopped: stage {failed} failed.**\n\n" if failed else "\n\n",
     ]
     lines += stage_table(run_dir, stages, failed)
