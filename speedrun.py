@@ -304,12 +304,16 @@ def main(argv=None):
         raise SystemExit(f"--config {args.config}: no such file; pass configs/toy.py or configs/small.py")
     run_dir = os.path.abspath(os.path.join(args.runs_dir, args.run or args.preset))
     os.makedirs(run_dir, exist_ok=True)
-    with open(os.path.join(run_dir, "settings.json"), "w") as f:
-        json.dump({"args": vars(args), "table": table}, f, indent=1)
-    if args.report_only:
+    saved = os.path.join(run_dir, "settings.json")
+    if args.report_only:  # the report names the settings the run was made with, not this command's
+        if os.path.isfile(saved):
+            with open(saved) as f:
+                args = argparse.Namespace(**json.load(f)["args"])
         write_report(run_dir, table, args)
         print(f"speedrun: wrote {os.path.join(run_dir, 'report.md')}")
         return run_dir
+    with open(saved, "w") as f:
+        json.dump({"args": vars(args), "table": table}, f, indent=1)
     print(f"speedrun: run directory {run_dir}, preset {args.preset}, {args.config} on {args.device}")
     t0 = time.time()
     for name, what in STAGES:
