@@ -282,6 +282,14 @@ def section_rl(run_dir, failed):
             after = s["after"]["heldout_reward"].get(task)
             out.append(f"| {task} | {before:.3f} | {fmt(after, '.3f')} |\n")
     out.append(f"\n- GLM-5: {FIGURES['rl']}\n")
+    serve = read_json(os.path.join(run_dir, "eval_serve", "result.json"))
+    chat = serve and serve["stages"].get("rl", {}).get("chat")
+    if chat:
+        reply = json.dumps(chat["thinking on"]["parsed"], ensure_ascii=False)
+        out.append(
+            f"\nThe RL model's reply to the same question, thinking on, parsed (chat.parse_reply):\n\n"
+            f"```json\n{reply}\n```\n"
+        )
     return out
 
 
