@@ -74,10 +74,10 @@ PRESETS = {
         "dsa_warmup": dict(max_iters=60, warmup_iters=5, mtp_weight_early=0.1, mtp_weight_late=0.1,
                            eval_interval=60, eval_iters=4, sample_tokens=0),
         "dsa_sparse": dict(max_iters=150, warmup_iters=10, mtp_weight_early=0.0, mtp_weight_late=0.0,
-                           eval_interval=150, sample_tokens=0),
+                           eval_interval=150, log_interval=10, sample_tokens=0),
         "episodes": dict(per_env=400),
         "sft": dict(max_iters=200, warmup_iters=10, mtp_weight_early=0.0, mtp_weight_late=0.1,
-                    mtp_switch_frac=0.7, eval_interval=200, sample_tokens=0),
+                    mtp_switch_frac=0.7, eval_interval=200, log_interval=10, sample_tokens=0),
         "rl": dict(max_steps=30, eval_every=15, eval_episodes=24, ckpt_every=5),
         # probe_len 384: the passkey sits farther back than a 64-key window reaches through 4 layers (252);
         # mtp_drafts 4: the report's accept length is measured with 4 speculative steps
