@@ -473,10 +473,11 @@ def draw_plots(run_dir):
         written.append("rl_reward.png")
     r = read_json(os.path.join(run_dir, "eval_dsa", "result.json"))
     if r:
-        fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.2))
-        labels = ["dense", "warm-up\nsparse", "DSA", "window"]
-        vals = [r["val_dense"], r["val_warmup_sparse"], r["val_sparse"], r["val_sparse_window"]]
-        a1.bar(labels, vals, color=["grey", "tab:orange", "tab:blue", "tab:red"])
+        fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 3.4))
+        labels = ["dense\n(pretrain)", "warm-up\nsparse", "sparse model\ndense attn", "DSA", "window"]
+        vals = [r["val_dense"], r["val_warmup_sparse"], r["val_sparse_as_dense"], r["val_sparse"]]
+        vals.append(r["val_sparse_window"])
+        a1.bar(labels, vals, color=["grey", "tab:orange", "silver", "tab:blue", "tab:red"])
         a1.set_ylim(min(vals) - 0.1, max(vals) + 0.05)
         a1.set_title("held-out loss, same tokens")
         probe = {k.split(" ")[0]: v for k, v in r["probe"].items() if isinstance(v, dict)}
