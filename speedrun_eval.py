@@ -354,6 +354,7 @@ def part_serve(run_dir, s, dev):
             "hit_rate": t.rate(sorted(t.prompt)),
             "later_turns": t.rate(sorted(t.prompt)[1:]),
             "prompt_tokens": sum(t.prompt.values()),
+            "turns": len(t.prompt),  # the most turns a rollout reached
         }
     return out
 

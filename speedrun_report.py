@@ -350,6 +350,11 @@ def section_serve(run_dir, failed):
         f"{m['identical']}/{m['of']} outputs identical to greedy\n"
     )
     c = r["prefix_cache"]
+    if c["router"].get("turns", 2) < 2:
+        out.append(
+            "- (no rollout below reached a second turn: the model ended every episode in its first reply, "
+            "so only the shared system prompt could hit the cache)\n"
+        )
     out.append(
         f"- prefix cache, {c['rollouts']} multi-turn rollouts on {c['replicas']} replicas: hit rate "
         f"**{c['router']['hit_rate']:.1%}** with the DP-aware router vs {c['round-robin']['hit_rate']:.1%} "
