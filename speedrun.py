@@ -35,12 +35,26 @@ import argparse
 import ast
 import json
 import os
+import runpy
 import shutil
 import subprocess
 import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def train_stages_tuned():
+    """configs/speedrun_stages.py's STAGES -> {stage: train.py settings}, less the stage name (the speedrun
+    passes --stage itself), with a sample at the end of pretraining and none after the others."""
+    tuned = runpy.run_path(os.path.join(HERE, "configs", "speedrun_stages.py"))["STAGES"]
+    out = {}
+    for name, settings in tuned.items():
+        kept = {k: v for k, v in settings.items() if k != "stage"}
+        kept["sample_tokens"] = 64 if name == "pretrain" else 0
+        out[name] = kept
+    return out
+
 
 # -----------------------------------------------------------------------------
 # The stage settings, one table per preset. Train stages take train.py's keys, rl takes rl_async.py's,
@@ -64,17 +78,12 @@ PRESETS = {
         "eval": dict(val_batches=1, val_block=128, probes=2, probe_len=128, serve_prompts=2, new_tokens=8,
                      mtp_drafts=2, cache_groups=1, cache_max_tokens=4, quant_batches=1),
     },
-    # the workshop run: about 45 minutes on a 2-core CPU. The train stages' numbers are the toy tuning's
-    # (issue 19): a higher lr, and the MTP loss off for most of pretraining and the sparse stage, where its
-    # three extra block passes cost a third to a half of a step (it comes back for the last 15%).
+    # the workshop run: about 45 minutes on a 2-core CPU. The four train stages' settings are the toy
+    # tuning's, read from configs/speedrun_stages.py (its docstring says what was measured): a higher lr, the
+    # WSD decay over the last third, and the MTP loss off for most of pretraining and the sparse stage, where
+    # its three extra block passes cost a third to a half of a step (it comes back for the last 15%)
     "cpu": {
-        "pretrain": dict(max_iters=1200, warmup_iters=20, lr_muon=0.04, lr_adamw=6e-3, mtp_weight_early=0.0,
-                         mtp_weight_late=0.1, mtp_switch_frac=0.85, eval_interval=100, log_interval=10,
-                         sample_tokens=64),
-        "dsa_warmup": dict(max_iters=60, warmup_iters=5, mtp_weight_early=0.1, mtp_weight_late=0.1,
-                           eval_interval=60, eval_iters=4, sample_tokens=0),
-        "dsa_sparse": dict(max_iters=150, warmup_iters=10, mtp_weight_early=0.0, mtp_weight_late=0.0,
-                           eval_interval=150, log_interval=10, sample_tokens=0),
+        **train_stages_tuned(),
         "episodes": dict(per_env=400),
         "sft": dict(max_iters=200, warmup_iters=10, mtp_weight_early=0.0, mtp_weight_late=0.1,
                     mtp_switch_frac=0.7, eval_interval=200, log_interval=10, sample_tokens=0),
