@@ -46,8 +46,7 @@ ap.add_argument("--prompts", type=int, default=8, help="greedy prompts (val wind
 ap.add_argument("--new_tokens", type=int, default=32)
 ap.add_argument("--out", default="/tmp/bench_quant", help="where the quantized checkpoints are written")
 ap.add_argument("--threads", type=int, default=1)
-args = ap.parse_args()
-torch.set_num_threads(args.threads)
+args = ap.parse_args([])  # the defaults on import (speedrun_eval.py uses the functions); main() parses
 
 
 def pick_ckpt():
@@ -108,6 +107,9 @@ def bytes_per_token(directory_or_model, cfg):
 
 
 def main():
+    global args
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
     src = pick_ckpt()
     load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     print(

@@ -30,11 +30,11 @@ shared CPU, not bench_serve.py's side-by-side comparison.
 import argparse
 import json
 import os
-import sys
 import time
 
 import torch
 
+import bench_quant
 import chat
 import data
 import dsa
@@ -65,17 +65,6 @@ def need(path):
     return path
 
 
-def import_bench_quant():
-    """bench_quant.py parses its command line when imported; give it an empty one."""
-    argv = sys.argv
-    sys.argv = ["bench_quant.py"]
-    try:
-        import bench_quant
-    finally:
-        sys.argv = argv
-    return bench_quant
-
-
 def val_batches(n, block, dev, seed=0):
     """n held-out batches of 4 x block tokens, the same for every model measured."""
     loader = data.DataLoader(os.path.join(HERE, "data", "stdlib"))
@@ -88,10 +77,8 @@ def val_batches(n, block, dev, seed=0):
 
 
 def set_dsa_mode(m, mode):
-    """Serve a checkpoint with dense or sparse attention (the config object every MLA layer reads)."""
+    """Serve a checkpoint with dense or sparse attention: every MLA layer reads the model's one config."""
     m.config.dsa_mode = mode
-    for layer in list(m.model.layers) + list(m.mtp_layers or []):
-        layer.self_attn.cfg.dsa_mode = mode
     return m
 
 
@@ -209,7 +196,7 @@ def run_probe(m, probes, kind, dev):
 
 
 def part_dsa(run_dir, s, dev):
-    bq = import_bench_quant()
+    bq = bench_quant  # its val_loss and bytes_per_token
     dense = set_dsa_mode(engine.load_model(need(os.path.join(run_dir, "pretrain/ckpt.pt")), dev), "dense")
     warm = set_dsa_mode(engine.load_model(need(os.path.join(run_dir, "dsa_warmup/ckpt.pt")), dev), "sparse")
     sparse = set_dsa_mode(engine.load_model(need(os.path.join(run_dir, "dsa_sparse/ckpt.pt")), dev), "sparse")
@@ -256,7 +243,7 @@ def part_quant(run_dir, s, dev, out_path):
 
     import quantized
 
-    bq = import_bench_quant()
+    bq = bench_quant  # its val_loss and bytes_per_token
     src = need(final_ckpt(run_dir))
     ref = engine.load_model(src, dtype=torch.float32)
     cfg = ref.config
