@@ -525,21 +525,23 @@ def test_general_env_solved_and_graded_as_the_prompt_says(d):
 
 
 def test_general_toy_level_is_short_regular_and_split():
-    """The toy level: one short instruction of three shapes, a two- or three-word reply, over a couple of
-    hundred distinct prompts; the prompt said back fails; held-out tasks are disjoint by text and never
-    exported for SFT."""
+    """The toy level: one short instruction of four shapes over eight names and eight topics, a two- or
+    three-word reply, 128 distinct prompts; the prompt said back fails; held-out tasks are disjoint by text
+    and never exported for SFT."""
     tok = get_tokenizer(4096, cache_dir=os.path.join(os.path.dirname(os.path.dirname(__file__)), "data"))
     env, prompts = GeneralEnv(0), set()
     for seed in range(300):
         prompt, _ = env.reset(seed)
         assert re.fullmatch(
             r"(Greet|Describe) \w+ in at most \d words, "
-            r"(ending with !|with the name in \\boxed\{\}|all in lowercase letters)",
+            r"(ending with !|with the name in \\boxed\{\}|all in (lowercase|capital) letters)",
             prompt,
         ), prompt
+        subject = prompt.split()[1]
+        assert subject in env_general.TOY_NAMES + env_general.TOY_TOPICS, prompt
         assert 2 <= len(env_general.words(env.task["reply"])) <= 3 and env.grade(prompt)[0] == 0.0, prompt
         prompts.add(prompt)
-    assert len(prompts) > 150, len(prompts)
+    assert len(prompts) > 100, len(prompts)
     messages, tools, reward, _ = sft_data.play_solution(env, 0)
     ids, head = chat.render(messages, tok, tools=tools)[0], chat.render(messages[:2], tok, tools=tools)[0]
     assert reward == 1.0 and len(ids) - len(head) + len(tok.encode_ordinary(messages[1]["content"])) < 80
