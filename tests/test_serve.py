@@ -755,26 +755,26 @@ def test_weight_update_under_concurrent_requests(ckpt, ckpt_v1, one_thread):
     eng = make_engine(ckpt, num_pages=128, max_model_len=200)
     old = make_engine(ckpt)
     new = make_engine(ckpt_v1)
-    # the engine pauses after its third step until the swap: some tokens are old, the rest are new,
-    # whatever the machine's speed (the wait's bound only keeps a broken update from hanging the test)
+    # the engine pauses once, before the first step that finds the streamed request holding some but not all
+    # of its tokens, until the swap: some tokens are old, the rest are new, whatever the machine's speed and
+    # the order the requests arrive in (the wait's bound only keeps a broken update from hanging the test)
+    n_tokens = 20
     real_step = eng.step
-    steps = []
     cached_at_resume = []
 
     def step():
-        if len(steps) == 3:
+        streamed = [r for r in eng.running if r.prompt == PROMPTS[0]]
+        if not cached_at_resume and streamed and 0 < len(streamed[0].out) < n_tokens:
             deadline = time.time() + 60
             while eng.version == 0 and time.time() < deadline:
                 time.sleep(0.01)
             cached_at_resume.append(len(eng.cache.cached))
-        steps.append(1)
         return real_step()
 
     eng.step = step
     srv, stop = serve.make_server(eng, port=0, model_name="tiny")
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     url = f"http://127.0.0.1:{srv.server_address[1]}"
-    n_tokens = 20
 
     def body(prompt, **kw):
         return {
@@ -806,7 +806,7 @@ def test_weight_update_under_concurrent_requests(ckpt, ckpt_v1, one_thread):
         for t in threads:
             t.start()
         with requests.post(url + "/v1/completions", json=body(PROMPTS[0], stream=True), stream=True) as r:
-            lines = r.iter_lines()
+            lines = r.iter_lines(chunk_size=1)  # each line as it comes, not after 512 bytes
             first = json.loads(next(line for line in lines if line)[6:])["choices"][0]
             update = {"model_path": ckpt_v1[0], "weight_version": 1}
             swap = requests.post(url + "/update_weights_from_disk", json=update, timeout=120)
