@@ -16,7 +16,7 @@ is rewritten after every stage. The tokenized corpus is the one shared cache out
 README's two commands make it).
 
 Run it:
-    python speedrun.py                               # the 45-minute workshop run, 2-core CPU (--preset cpu)
+    python speedrun.py                               # the workshop run, 2-core CPU (--preset cpu): ~20 min
     python speedrun.py --preset tiny --run tiny      # a few steps per stage: the plumbing in about a minute
     python speedrun.py --device cuda --config configs/small.py --preset gpu --run small
     python speedrun.py --set pretrain.max_iters=300 --set rl.max_steps=10   # any stage setting, per run
@@ -40,6 +40,9 @@ import shutil
 import subprocess
 import sys
 import time
+
+import speedrun_report
+from speedrun_report import TRAIN_STAGES, finished
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -122,7 +125,6 @@ STAGES = [  # (name, what it does), in pipeline order; the report has one sectio
     ("eval_serve", "every checkpoint through the serving engine (speedrun_eval.py serve)"),
 ]
 STAGE_NAMES = [name for name, _ in STAGES]
-TRAIN_STAGES = ("pretrain", "dsa_warmup", "dsa_sparse", "sft")
 INIT_FROM = {"dsa_warmup": "pretrain", "dsa_sparse": "dsa_warmup", "sft": "dsa_sparse"}
 # the data stage: the BPE and the tokenized corpus, each trained or written once and cached in data/
 DATA_SNIPPET = (
@@ -232,10 +234,6 @@ def stage_commands(name, run_dir, table, args):
     raise ValueError(f"no stage {name!r}")
 
 
-def is_done(run_dir, name):
-    return os.path.isfile(os.path.join(stage_dir(run_dir, name), "done.json"))
-
-
 def run_stage(name, run_dir, table, args, log=print):
     """Run one stage's commands as subprocesses, their output into <stage>/log.txt (and the console unless
     --quiet); on success write <stage>/done.json. Raises StageFailed with one sentence on a failure."""
@@ -287,10 +285,8 @@ def run_stage(name, run_dir, table, args, log=print):
 # The run
 
 
-def write_report(run_dir, table, args, failed=None):
+def write_report(run_dir, args, failed=None):
     """report.md (and the plots) from what the run directory holds; a failure here never stops the run."""
-    import speedrun_report
-
     try:
         speedrun_report.write_report(run_dir, STAGE_NAMES, vars(args), failed=failed)
     except Exception as e:  # the report is a view of the run: a bug in it must not lose a finished stage
@@ -321,7 +317,7 @@ def main(argv=None):
         if os.path.isfile(saved):
             with open(saved) as f:
                 args = argparse.Namespace(**json.load(f)["args"])
-        write_report(run_dir, table, args)
+        write_report(run_dir, args)
         print(f"speedrun: wrote {os.path.join(run_dir, 'report.md')}")
         return run_dir
     with open(saved, "w") as f:
@@ -329,25 +325,25 @@ def main(argv=None):
     print(f"speedrun: run directory {run_dir}, preset {args.preset}, {args.config} on {args.device}")
     t0 = time.time()
     for name, what in STAGES:
-        if is_done(run_dir, name):
+        if finished(run_dir, name):
             print(f"speedrun: stage {name} already done (its done.json is there): skipped")
         else:
             print(f"speedrun: stage {name}: {what}", flush=True)
             try:
                 run_stage(name, run_dir, table, args)
             except StageFailed as e:
-                write_report(run_dir, table, args, failed=name)
+                write_report(run_dir, args, failed=name)
                 raise SystemExit(str(e)) from None
             except KeyboardInterrupt:  # Ctrl-C reached the stage's process too
-                write_report(run_dir, table, args)
+                write_report(run_dir, args)
                 raise SystemExit(
                     f"speedrun: stopped during stage {name}; the same command resumes it from its last "
                     "checkpoint"
                 ) from None
-            write_report(run_dir, table, args)
+            write_report(run_dir, args)
         if name == args.stop_after:
             break
-    write_report(run_dir, table, args)
+    write_report(run_dir, args)
     print(
         f"speedrun: finished in {time.time() - t0:.0f}s; "
         f"the report card is {os.path.join(run_dir, 'report.md')}"

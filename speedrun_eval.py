@@ -29,6 +29,7 @@ shared CPU, not bench_serve.py's side-by-side comparison.
 
 import argparse
 import json
+import math
 import os
 import time
 
@@ -196,7 +197,6 @@ def run_probe(m, probes, kind, dev):
 
 
 def part_dsa(run_dir, s, dev):
-    bq = bench_quant  # its val_loss and bytes_per_token
     dense = set_dsa_mode(engine.load_model(need(os.path.join(run_dir, "pretrain/ckpt.pt")), dev), "dense")
     warm = set_dsa_mode(engine.load_model(need(os.path.join(run_dir, "dsa_warmup/ckpt.pt")), dev), "sparse")
     sparse = set_dsa_mode(engine.load_model(need(os.path.join(run_dir, "dsa_sparse/ckpt.pt")), dev), "sparse")
@@ -204,15 +204,15 @@ def part_dsa(run_dir, s, dev):
     batches = val_batches(s["val_batches"], s["val_block"], dev)
     out = {"index_topk": topk, "val_block": s["val_block"], "val_tokens": sum(x.numel() for x, _ in batches)}
     with torch.no_grad():
-        out["val_dense"] = bq.val_loss(dense, batches)
+        out["val_dense"] = bench_quant.val_loss(dense, batches)
         with Selection("dsa"):
-            out["val_warmup_sparse"] = bq.val_loss(warm, batches)
-            out["val_sparse"] = bq.val_loss(sparse, batches)
+            out["val_warmup_sparse"] = bench_quant.val_loss(warm, batches)
+            out["val_sparse"] = bench_quant.val_loss(sparse, batches)
         # the same sparse weights with dense attention: what the top-k selection itself costs
-        out["val_sparse_as_dense"] = bq.val_loss(set_dsa_mode(sparse, "dense"), batches)
+        out["val_sparse_as_dense"] = bench_quant.val_loss(set_dsa_mode(sparse, "dense"), batches)
         set_dsa_mode(sparse, "sparse")
         with Selection("window"):
-            out["val_sparse_window"] = bq.val_loss(sparse, batches)
+            out["val_sparse_window"] = bench_quant.val_loss(sparse, batches)
     tok = get_tokenizer(4096, cache_dir=os.path.join(HERE, "data"), verbose=False)
     probes = make_probes(tok, s["probes"], s["probe_len"])
     out["probe"] = {
@@ -238,29 +238,27 @@ def dir_bytes(directory):
     return sum(os.path.getsize(os.path.join(directory, f)) for f in weights.open_checkpoint(directory))
 
 
-def part_quant(run_dir, s, dev, out_path):
-    import math
-
+def part_quant(run_dir, s, out_path):
+    """On the CPU whatever --device says: the quantized checkpoints run kernels_quant's torch reference."""
     import quantized
 
-    bq = bench_quant  # its val_loss and bytes_per_token
     src = need(final_ckpt(run_dir))
-    ref = engine.load_model(src, dtype=torch.float32)
-    cfg = ref.config
+    bf16 = engine.load_model(src, dtype=torch.bfloat16)
+    cfg = bf16.config
     bf16_dir = os.path.join(os.path.dirname(out_path), "bf16")
-    weights.save_pretrained(ref, bf16_dir, dtype=torch.bfloat16)
+    weights.save_pretrained(bf16, bf16_dir, dtype=torch.bfloat16)
     batches = val_batches(s["quant_batches"], 256, "cpu")
     rows = {}
-    models = [("BF16", engine.load_model(src, dtype=torch.bfloat16).float().eval(), bf16_dir)]
+    models = [("BF16", bf16.float().eval(), bf16_dir)]
     for scheme in ("w8a8", "w4a8_rot"):
         d = need(os.path.join(run_dir, "quantize", scheme))
         models.append((scheme, quantized.from_pretrained(d, dtype=torch.float32).eval(), d))
     with torch.no_grad():
         for label, m, d in models:
-            loss = bq.val_loss(m, batches)
+            loss = bench_quant.val_loss(m, batches)
             rows[label] = {
                 "bytes": dir_bytes(d),
-                "bytes_per_token": bq.bytes_per_token(d, cfg),
+                "bytes_per_token": bench_quant.bytes_per_token(d, cfg),
                 "val_loss": loss,
                 "ppl": math.exp(loss),
             }
@@ -364,7 +362,7 @@ def main(argv=None):
     if a.part == "dsa":
         result = part_dsa(run_dir, s, a.device)
     elif a.part == "quant":
-        result = part_quant(run_dir, s, a.device, a.out)
+        result = part_quant(run_dir, s, a.out)
     else:
         result = part_serve(run_dir, s, a.device)
     result["wall_s"] = time.time() - t0
