@@ -91,17 +91,26 @@ def index_scores(q, w, k_all, softmax_scale):
     row (a page pool, read in place: one matmul, no per-row copy)."""
     pattern = "bthd,bsd->bths" if k_all.dim() == 3 else "bthd,sd->bths"
     with torch.autocast(q.device.type, enabled=False):  # fp32 scores, also under autocast
-        dots = torch.einsum(pattern, q, upcast(k_all).to(q.dtype)) * softmax_scale  # (B, T, Hi, S)
-        return torch.einsum("bths,bth->bts", F.relu(dots), w)
+        dots = torch.einsum(pattern, q, upcast(k_all).to(q.dtype))  # (B, T, Hi, S)
+        return torch.einsum("bths,bth->bts", relu(dots), w * softmax_scale)
+
+
+def relu(dots):
+    """ReLU of the indexer's dot products, in place when no gradient is taken. The scale > 0 goes on the
+    head weights instead, w_j ReLU(s x) = (s w_j) ReLU(x): at 64K keys the (Hi, S) tensor is 8 MB, and each
+    pass over it (a scale, a fresh ReLU) costs a CPU thread about 3.6 ms (bench_serve.py part 3)."""
+    if torch.is_grad_enabled() and dots.requires_grad:
+        return F.relu(dots)
+    return dots.relu_()
 
 
 def selected_index_scores(q, w, k_all, idx, softmax_scale):
     """index_scores at the selected keys only -> (B, T, K) fp32, equal to index_scores(...).gather(-1, idx):
     all the sparse stage's KL needs, without the (B, T, Hi, S) intermediate (model.py's kernel path)."""
-    k_sel = k_all[torch.arange(k_all.shape[0], device=idx.device)[:, None, None], idx]  # (B, T, K, Di)
+    k_sel = gather_rows(k_all, idx)  # (B, T, K, Di)
     with torch.autocast(q.device.type, enabled=False):
-        dots = torch.einsum("bthd,btkd->bthk", q, upcast(k_sel).to(q.dtype)) * softmax_scale  # (B, T, Hi, K)
-        return torch.einsum("bthk,bth->btk", F.relu(dots), w)
+        dots = torch.einsum("bthd,btkd->bthk", q, upcast(k_sel).to(q.dtype))  # (B, T, Hi, K)
+        return torch.einsum("bthk,bth->btk", relu(dots), w * softmax_scale)
 
 
 # -----------------------------------------------------------------------------
@@ -188,11 +197,25 @@ def selection_mask(idx, valid, S):
 # Sparse MLA over the selected latents (absorbed / MQA form, prefill and decode alike)
 
 
+def gather_rows(latent, idx):
+    """latent (B, S, F), idx (B, T, K) positions in each row -> latent[b, idx[b, t, k]] (B, T, K, F), as
+    whole-row copies (index_select over the flattened rows: several times faster on a CPU than indexing
+    with two index tensors). A page pool shared by every row (an expanded view, batch stride 0) is
+    selected from directly: its idx are pool rows."""
+    B, S, F = latent.shape
+    if torch.compiler.is_compiling():  # inductor writes its own loop for this form (see PagedCache.write)
+        return latent[torch.arange(B, device=idx.device)[:, None, None], idx]
+    if latent.stride(0) == 0:
+        return latent[0].index_select(0, idx.flatten()).view(*idx.shape, F)
+    flat = idx + (torch.arange(B, device=idx.device) * S)[:, None, None]  # (B, T, K) rows of (B * S, F)
+    return latent.reshape(B * S, F).index_select(0, flat.flatten()).view(*idx.shape, F)
+
+
 def sparse_scores(q_abs, q_pe, latent, idx, valid, softmax_scale):
     """Gather each query's selected latents and score them: -> scores (B, T, H, K) in fp32, -inf where
     invalid, and the gathered c_kv rows c_sel (B, T, K, C)."""
     B, T, H, C = q_abs.shape
-    sel = latent[torch.arange(B, device=idx.device)[:, None, None], idx]  # (B, T, K, C + R)
+    sel = gather_rows(latent, idx)  # (B, T, K, C + R)
     c_sel, pe_sel = sel.split([C, sel.shape[-1] - C], dim=-1)
     scores = torch.einsum("bthc,btkc->bthk", q_abs, c_sel) + torch.einsum("bthr,btkr->bthk", q_pe, pe_sel)
     scores = (upcast(scores) * softmax_scale).masked_fill(~valid[:, :, None, :], float("-inf"))

@@ -79,20 +79,29 @@ class PagedCache:
         self.rows set the layer's pools (N, C + R) and (N, index_head_dim), N = pages x page_size, read
         in place (model.MLA.forward)."""
         P = self.page_size
-        rows = torch.arange(positions.shape[0], device=positions.device)[:, None]
-        pages = self.tables[rows, positions // P]  # (B, T)
-        slots = positions % P  # (B, T)
-        self.kv[layer_id][pages, slots] = latent.to(self.kv.dtype)
-        self.index_k[layer_id][pages, slots] = index_k.to(self.index_k.dtype)
+        C, Di = self.kv.shape[-1], self.index_k.shape[-1]
+        kv_pool = self.kv[layer_id].view(-1, C)  # (N, C + R), N = (pages + 1) x page_size: a view
+        index_pool = self.index_k[layer_id].view(-1, Di)  # (N, Di)
+        # each new token's pool row: its row's page at positions // P, slot positions % P. index_copy_ and
+        # index_select over flat pool rows: copies of whole rows, several times faster on a CPU than
+        # indexing the (pages, slots) grid with two index tensors
+        pages = self.tables.gather(1, positions // P)  # (B, T)
+        slots = (pages * P + positions % P).flatten()  # (B * T,)
+        kv_pool.index_copy_(0, slots, latent.reshape(-1, C).to(self.kv.dtype))
+        index_pool.index_copy_(0, slots, index_k.reshape(-1, Di).to(self.index_k.dtype))
         if self.rows is not None:
-            return self.kv[layer_id].view(-1, self.kv.shape[-1]), self.index_k[layer_id].view(
-                -1, self.index_k.shape[-1]
-            )
+            return kv_pool, index_pool
         S = self.length
         t = self.tables[:, : (S + P - 1) // P]  # (B, n pages)
         B = t.shape[0]
-        kv = self.kv[layer_id][t].view(B, -1, self.kv.shape[-1])[:, :S]
-        index_k = self.index_k[layer_id][t].view(B, -1, self.index_k.shape[-1])[:, :S]
+        # compiled, inductor turns the page indexing into its own loop; index_select there made the
+        # compiled decode step 1.5x slower (batch 32, bench_serve.py part 0)
+        if torch.compiler.is_compiling():
+            kv = self.kv[layer_id][t].view(B, -1, C)[:, :S]
+            index_k = self.index_k[layer_id][t].view(B, -1, Di)[:, :S]
+        else:
+            kv = self.kv[layer_id].index_select(0, t.flatten()).view(B, -1, C)[:, :S]  # (B, S, C + R)
+            index_k = self.index_k[layer_id].index_select(0, t.flatten()).view(B, -1, Di)[:, :S]  # (B, S, Di)
         return kv, index_k
 
     def available(self):
