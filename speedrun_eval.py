@@ -42,6 +42,7 @@ import dsa
 import engine
 import rollout
 import sampling
+import sft_data
 import weights
 from speedrun import final_ckpt
 from tokenizer import get_tokenizer
@@ -52,10 +53,11 @@ STAGE_CKPTS = [  # (the report's name, the path under the run directory), in pip
     ("dsa_warmup", "dsa_warmup/ckpt.pt"),
     ("dsa_sparse", "dsa_sparse/ckpt.pt"),
     ("sft", "sft/ckpt.pt"),
+    ("sft_episodes", "sft_episodes/ckpt.pt"),
     ("rl", "rl/ckpt.pt"),
     ("w4a8_rot", "quantize/w4a8_rot"),
 ]
-CHAT_STAGES = ("sft", "rl", "w4a8_rot")
+CHAT_STAGES = ("sft", "sft_episodes", "rl", "w4a8_rot")
 # a toy-level math task as the environment episodes pose it (env_math's wording, rollout.py's system prompt)
 CHAT_QUESTION = "Compute 7 - 2. Give the exact answer (an integer or a fraction) in \\boxed{}."
 
@@ -247,7 +249,7 @@ def part_quant(run_dir, s, out_path):
     cfg = bf16.config
     bf16_dir = os.path.join(os.path.dirname(out_path), "bf16")
     weights.save_pretrained(bf16, bf16_dir, dtype=torch.bfloat16)
-    batches = val_batches(s["quant_batches"], 256, "cpu")
+    batches, text = quant_batches(run_dir, s["quant_batches"], 256)
     rows = {}
     models = [("BF16", bf16.float().eval(), bf16_dir)]
     for scheme in ("w8a8", "w4a8_rot"):
@@ -264,7 +266,29 @@ def part_quant(run_dir, s, out_path):
             }
     for label in rows:
         rows[label]["d_ppl"] = rows[label]["ppl"] / rows["BF16"]["ppl"] - 1
-    return {"source": os.path.relpath(src, run_dir), "val_tokens": len(batches) * 4 * 256, "schemes": rows}
+    return {
+        "source": os.path.relpath(src, run_dir),
+        "val_tokens": len(batches) * 4 * 256,
+        "text": text,
+        "schemes": rows,
+    }
+
+
+def quant_batches(run_dir, n, block):
+    """-> (n batches of 4 x block tokens, what they are). The final policy is measured on the held-out
+    conversations of the episodes SFT (assistant tokens only): after that stage it no longer models the
+    stdlib's code (its loss there was 10.4, a perplexity of 33,000, where a scheme's change means nothing).
+    A run without that stage's data, or with no held-out conversation in it (a tiny run), falls back on the
+    stdlib's val split."""
+    d = os.path.join(run_dir, "sft_episodes", "data")
+    loader = None
+    if os.path.isfile(os.path.join(d, "meta.json")):
+        loader = sft_data.SFTLoader(d)
+    if loader is None or not loader.meta["conversations"]["val"]:
+        return val_batches(n, block, "cpu"), "the stdlib's held-out files"
+    g = torch.Generator().manual_seed(0)
+    batches = [loader.get_batch("val", 4, block, generator=g) for _ in range(n)]
+    return batches, "the episodes' held-out conversations, assistant tokens only"
 
 
 # -----------------------------------------------------------------------------

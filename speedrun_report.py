@@ -18,7 +18,8 @@ import json
 import os
 import platform
 
-TRAIN_STAGES = ("pretrain", "dsa_warmup", "dsa_sparse", "sft")  # train.py's, in pipeline order
+# train.py's, in pipeline order (sft_episodes is its SFT stage again, on the environment episodes alone)
+TRAIN_STAGES = ("pretrain", "dsa_warmup", "dsa_sparse", "sft", "sft_episodes")
 GLM5 = "GLM-5 report (arXiv 2602.15763)"
 FIGURES = {  # what the report says for each stage, cited by section
     "pretrain": f"{GLM5}, pre-training section: 28.5T tokens of pre-training (no loss value published)",
@@ -254,15 +255,22 @@ def section_sft(run_dir, failed):
         f"final train loss {fmt(s['last'].get('lm'))}; "
         f"masked val loss **{fmt(s['val'])}** (assistant tokens only)\n"
     )
+    if finished(run_dir, "sft_episodes"):
+        e = train_summary(run_dir, "sft_episodes")
+        out.append(
+            f"- then on the episodes alone (the policy the RL stage starts from): {e['steps']} steps, "
+            f"{e['tokens']:,} tokens; final train loss {fmt(e['last'].get('lm'))}; masked val loss "
+            f"**{fmt(e['val'])}**\n"
+        )
     out.append(f"- GLM-5: {FIGURES['sft']}\n")
     serve = read_json(os.path.join(run_dir, "eval_serve", "result.json"))
-    chat = serve and serve["stages"].get("sft", {}).get("chat")
-    if chat:
-        for mode, reply in chat.items():
-            out.append(
-                f"\nThe SFT model, {mode} (greedy, through the engine):\n\n```\n{reply['rendered']}\n```\n"
-            )
-    else:
+    shown = False
+    for stage, who in (("sft", "The SFT model"), ("sft_episodes", "After the episodes alone, the model")):
+        chat = serve and serve["stages"].get(stage, {}).get("chat")
+        for mode, reply in (chat or {}).items():
+            shown = True
+            out.append(f"\n{who}, {mode} (greedy, through the engine):\n\n```\n{reply['rendered']}\n```\n")
+    if not shown:
         out.append("\n(replies in each thinking mode come with the eval_serve stage: not run yet)\n")
     return out
 
@@ -302,7 +310,7 @@ def section_quant(run_dir, failed):
             return out + [skipped("eval_quant", failed)]
         return out + [skipped("quantize", failed)]
     out.append(
-        f"Of {r['source']}, on {r['val_tokens']:,} held-out tokens:\n\n"
+        f"Of {r['source']}, on {r['val_tokens']:,} held-out tokens ({r.get('text', 'stdlib')}):\n\n"
         "| scheme | bytes on disk | weight bytes per token | val loss | ppl | d ppl vs BF16 |\n"
         "|---|---|---|---|---|---|\n"
     )

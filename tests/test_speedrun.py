@@ -40,7 +40,8 @@ def test_settings_overrides_and_their_errors():
     with pytest.raises(SystemExit, match="unknown preset"):
         speedrun.stage_settings("laptop", [])
     for preset in speedrun.PRESETS.values():  # every preset sets every stage that takes settings
-        assert set(preset) == {"pretrain", "dsa_warmup", "dsa_sparse", "episodes", "sft", "rl", "eval"}
+        stages = {"pretrain", "dsa_warmup", "dsa_sparse", "episodes", "sft", "sft_episodes", "rl", "eval"}
+        assert set(preset) == stages
 
 
 def test_report_of_an_empty_run_says_every_stage_is_not_run(tmp_path):
@@ -128,3 +129,9 @@ def test_a_stage_stopped_midway_resumes_from_its_own_checkpoint(tmp_path):
         assert "--resume=True" in cmds[0]
     cmds, _ = speedrun.stage_commands("sft", run, table, args)
     assert f"--init_from={os.path.join(run, 'dsa_sparse', 'ckpt.pt')}" in cmds[0]
+    # the episodes-only SFT continues the mixed one, and RL starts from it
+    cmds, _ = speedrun.stage_commands("sft_episodes", run, table, args)
+    assert f"--init_from={os.path.join(run, 'sft', 'ckpt.pt')}" in cmds[0] and "--sft_stdlib=False" in cmds[0]
+    assert "--stage=sft" in cmds[0]
+    cmds, _ = speedrun.stage_commands("rl", run, table, args)
+    assert f"--init_from={os.path.join(run, 'sft_episodes', 'ckpt.pt')}" in cmds[0]
