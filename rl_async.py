@@ -65,9 +65,10 @@ Run it:
 Tests: python -m pytest -q tests/test_rl.py tests/test_rl_async.py
 
 Honest limits: the toy run learns little so far: configs/rl_toy.py's held-out reward goes from about 0.45
-to 0.53-0.56 in 60 steps, because the toy policy cannot copy a word from its context, which most toy tasks
-need, and GRPO only reinforces what the policy already samples (README: the RL section); under torchrun the trainer's step is checked against one process (tests/test_rl.py) and the loop was run
-by hand on two CPU ranks, not on GPUs, and the trainer computes in fp32 (no bf16 autocast); the learning
+to 0.53-0.56 in 60 steps (from the workshop run's weaker policy, 0.16 to 0.36-0.38), because the toy policy
+cannot copy a word from its context, which most toy tasks need, and GRPO only reinforces what the policy
+already samples (README: the RL section); under torchrun the trainer's step is checked against one process
+(tests/test_rl.py) and the loop was run by hand on two CPU ranks, not on GPUs, and the trainer computes in fp32 (no bf16 autocast); the learning
 rates, eps bands, K and tau are ours (GLM-5 does not publish its RL ones); rollout_timeout counts from a
 rollout's submission, its wait for a worker included; a timed-out rollout's thread cannot be killed (it
 holds its pool's worker until its HTTP timeout or its environment returns); a push goes to the replicas one
