@@ -68,8 +68,8 @@ Honest limits: the toy run learns little so far: configs/rl_toy.py's held-out re
 to 0.53-0.56 in 60 steps (from the workshop run's weaker policy, 0.16 to 0.36-0.38), because the toy policy
 cannot copy a word from its context, which most toy tasks need, and GRPO only reinforces what the policy
 already samples (README: the RL section); under torchrun the trainer's step is checked against one process
-(tests/test_rl.py) and the loop was run by hand on two CPU ranks, not on GPUs, and the trainer computes in fp32 (no bf16 autocast); the learning
-rates, eps bands, K and tau are ours (GLM-5 does not publish its RL ones); rollout_timeout counts from a
+(tests/test_rl.py) and the loop was run by hand on two CPU ranks, not on GPUs, and the trainer computes
+in fp32 (no bf16 autocast); the learning rates, eps bands, K and tau are ours (GLM-5 does not publish its RL ones); rollout_timeout counts from a
 rollout's submission, its wait for a worker included; a timed-out rollout's thread cannot be killed (it
 holds its pool's worker until its HTTP timeout or its environment returns); a push goes to the replicas one
 after another, so for a moment they serve different versions (each token is tagged with its own, and the
@@ -368,7 +368,8 @@ def train(m, tok, urls, cfg, log=print, revive=None, world=1, rank=0):
             record = {"step": step, "version": version, "mode": cfg["mode"], "stage": cfg["stage"]}
             record["groups"] = groups  # the groups this step took from the buffer, trained or dropped
             if kept:
-                tasks = [orch.task_of(t.group) for t in kept]  # distill: each trajectory's teacher is its task's
+                # distill: each trajectory's teacher is its task's
+                tasks = [orch.task_of(t.group) for t in kept]
                 tell(world, "step", kept, tasks)
                 stats = train_step(m, optimizers, kept, tasks, teacher_of_task, cfg, world, rank)
                 version += 1
@@ -629,7 +630,9 @@ def main(argv):
         dev = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
     if world > 1:
         if dev == "mps":
-            raise SystemExit("torchrun with mps is not supported; use --device=cpu (gloo) or cuda GPUs (nccl)")
+            raise SystemExit(
+                "torchrun with mps is not supported; use --device=cpu (gloo) or cuda GPUs (nccl)"
+            )
         # rank 0 evaluates and waits for rollouts while the others wait in a broadcast: a long timeout
         dist.init_process_group(
             "nccl" if dev.startswith("cuda") else "gloo", timeout=datetime.timedelta(hours=2)
