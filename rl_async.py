@@ -69,11 +69,11 @@ to 0.53-0.56 in 60 steps (from the workshop run's weaker policy, 0.16 to 0.36-0.
 cannot copy a word from its context, which most toy tasks need, and GRPO only reinforces what the policy
 already samples (README: the RL section); under torchrun the trainer's step is checked against one process
 (tests/test_rl.py) and the loop was run by hand on two CPU ranks, not on GPUs, and the trainer computes
-in fp32 (no bf16 autocast); the learning rates, eps bands, K and tau are ours (GLM-5 does not publish its RL ones); rollout_timeout counts from a
-rollout's submission, its wait for a worker included; a timed-out rollout's thread cannot be killed (it
-holds its pool's worker until its HTTP timeout or its environment returns); a push goes to the replicas one
-after another, so for a moment they serve different versions (each token is tagged with its own, and the
-staleness filter sees it); the async/sync equality and exact resume hold with the replicas' prefix cache off
+in fp32 (no bf16 autocast); the learning rates, eps bands, K and tau are ours (GLM-5 does not publish its
+RL ones); rollout_timeout counts from a rollout's submission, its wait for a worker included; a timed-out
+rollout's thread cannot be killed (it holds its pool's worker until its HTTP timeout or its environment
+returns); a push goes to the replicas one after another, so for a moment they serve different versions
+(each token is tagged with its own, and the staleness filter sees it); the async/sync equality and exact resume hold with the replicas' prefix cache off
 and one rollout at a time per task (a cache hit, or another request in the same engine batch, moves a
 logprob by a few ulps).
 """
