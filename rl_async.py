@@ -73,9 +73,9 @@ in fp32 (no bf16 autocast); the learning rates, eps bands, K and tau are ours (G
 RL ones); rollout_timeout counts from a rollout's submission, its wait for a worker included; a timed-out
 rollout's thread cannot be killed (it holds its pool's worker until its HTTP timeout or its environment
 returns); a push goes to the replicas one after another, so for a moment they serve different versions
-(each token is tagged with its own, and the staleness filter sees it); the async/sync equality and exact resume hold with the replicas' prefix cache off
-and one rollout at a time per task (a cache hit, or another request in the same engine batch, moves a
-logprob by a few ulps).
+(each token is tagged with its own, and the staleness filter sees it); the async/sync equality and exact
+resume hold with the replicas' prefix cache off and one rollout at a time per task (a cache hit, or another
+request in the same engine batch, moves a logprob by a few ulps).
 """
 
 import ast
