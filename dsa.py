@@ -98,7 +98,8 @@ def index_scores(q, w, k_all, softmax_scale):
 def relu(dots):
     """ReLU of the indexer's dot products, in place when no gradient is taken. The scale > 0 goes on the
     head weights instead, w_j ReLU(s x) = (s w_j) ReLU(x): at 64K keys the (Hi, S) tensor is 8 MB, and each
-    pass over it (a scale, a fresh ReLU) costs a CPU thread about 3.6 ms (bench_serve.py part 3)."""
+    pass over it (a scale, a fresh ReLU) took a CPU thread about 3.6 ms (torch.profiler over the 64K step of
+    bench_serve.py part 3; the whole step's time did not change beyond its noise, README)."""
     if torch.is_grad_enabled() and dots.requires_grad:
         return F.relu(dots)
     return dots.relu_()

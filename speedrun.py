@@ -138,7 +138,7 @@ STAGES = [  # (name, what it does), in pipeline order; the report has one sectio
     ("eval_serve", "every checkpoint through the serving engine (speedrun_eval.py serve)"),
 ]
 STAGE_NAMES = [name for name, _ in STAGES]
-INIT_FROM = {"dsa_warmup": "pretrain", "dsa_sparse": "dsa_warmup", "sft": "dsa_sparse"}
+INIT_FROM = {"dsa_warmup": "pretrain", "dsa_sparse": "dsa_warmup", "sft": "dsa_sparse", "sft_episodes": "sft"}
 # the data stage: the BPE and the tokenized corpus, each trained or written once and cached in data/
 DATA_SNIPPET = (
     "import data, tokenizer; "
@@ -206,21 +206,16 @@ def stage_commands(name, run_dir, table, args):
     device = [f"--device={args.device}"]
     if name == "data":
         return [[py, "-c", DATA_SNIPPET]], [os.path.join(HERE, "data", "stdlib", "meta.json")]
-    if name == "sft_episodes":  # train.py's SFT stage again, from the mixed SFT, on the episodes alone
-        episodes = os.path.join(run_dir, "episodes", "episodes.jsonl")
-        cmd = [py, "train.py", args.config, "--stage=sft", f"--out_dir={d}"] + device
-        cmd += [f"--init_from={os.path.join(run_dir, 'sft', 'ckpt.pt')}", "--sft_stdlib=False"]
-        cmd += [f"--sft_extra={episodes}", f"--sft_data_dir={os.path.join(d, 'data')}"]
-        if os.path.isfile(ckpt):
-            cmd.append("--resume=True")
-        return [cmd + as_flags(table[name])], [ckpt]
     if name in TRAIN_STAGES:
-        cmd = [py, "train.py", args.config, f"--stage={name}", f"--out_dir={d}"] + device
+        stage = "sft" if name == "sft_episodes" else name  # sft_episodes is train.py's SFT stage again
+        cmd = [py, "train.py", args.config, f"--stage={stage}", f"--out_dir={d}"] + device
         if name in INIT_FROM:
             cmd.append(f"--init_from={os.path.join(run_dir, INIT_FROM[name], 'ckpt.pt')}")
-        if name == "sft":
+        if stage == "sft":  # the solved episodes join the data (sft_episodes: they are all of it)
             episodes = os.path.join(run_dir, "episodes", "episodes.jsonl")
             cmd += [f"--sft_extra={episodes}", f"--sft_data_dir={os.path.join(d, 'data')}"]
+        if name == "sft_episodes":
+            cmd.append("--sft_stdlib=False")
         if os.path.isfile(ckpt):
             cmd.append("--resume=True")
         return [cmd + as_flags(table[name])], [ckpt]

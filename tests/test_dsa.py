@@ -82,6 +82,22 @@ def test_index_topk_over_a_page_pool_equals_the_gathered_history():
     assert torch.equal(pvalid, valid) and torch.equal(pidx, rows.gather(1, idx.flatten(1)).view_as(idx))
 
 
+def test_gather_rows_equals_indexing_per_row_and_from_a_shared_pool():
+    # the fast path (index_select over flattened rows) against the reference (two index tensors)
+    B, S, T, K, F = 3, 11, 2, 5, 7
+    g = torch.Generator().manual_seed(0)
+    latent = torch.randn(B, S, F, generator=g)
+    idx = torch.randint(0, S, (B, T, K), generator=g)
+    ref = latent[torch.arange(B)[:, None, None], idx]
+    assert torch.equal(dsa.gather_rows(latent, idx), ref)
+    cut = latent[:, : S - 2]  # a non-contiguous slice of the rows, as PagedCache.write returns
+    ref = cut[torch.arange(B)[:, None, None], idx.clamp(max=S - 3)]
+    assert torch.equal(dsa.gather_rows(cut, idx.clamp(max=S - 3)), ref)
+    pool = torch.randn(S, F, generator=g)[None].expand(B, -1, -1)  # one pool for every row: batch stride 0
+    ref = pool[torch.arange(B)[:, None, None], idx]
+    assert torch.equal(dsa.gather_rows(pool, idx), ref)
+
+
 def test_selected_index_scores_are_the_full_scores_gathered():
     B, T, S, Hi, Di, k = 2, 6, 30, 3, 16, 9
     q, w, keys = (
