@@ -1,0 +1,212 @@
+"""
+Can the toy GLM-5 copy by content? The induction probe behind the README's RL section (issues 16 and 19).
+
+Most toy agent tasks need the model to copy a word from its context that it never learnt (the name to greet,
+the number in a tool result, the file to `cat`). A transformer does this with an induction head (Olsson et
+al. 2022, "In-context learning and induction heads"): find the earlier occurrence of the current token and
+predict what followed it. This script trains models from scratch on synthetic copy data and prints the
+loss on the repeats, where chance is ln(ids):
+
+    python bench_copy.py                        # all three runs below, about 15 min on one CPU thread
+    python bench_copy.py --runs=fixed           # one of them: fixed, rows, reference
+    python bench_copy.py --runs=rows --steps=3000 --kv_lora_rank=128
+    python bench_copy.py --runs=rows --dense_layers=2 --optimizer=adamw   # closest to the reference
+
+- fixed: the toy GLM-5 (configs/toy.py, dense attention, train.py's Muon + AdamW) on `span` random ids
+  followed by the same ids, then tested on copies at other distances. A model that learnt "attend `span`
+  positions back" solves the training copy and fails the others (its loss goes past chance).
+- rows: the toy GLM-5 on train.py's copy rows (copy_rows: a span of 8 to `span` ids, repeated to
+  2 * `span` tokens). The period varies, so only the content tells where to copy from.
+- reference: a two-layer attention-only transformer with learned positions (d 128, 4 heads, AdamW 1e-3)
+  on the same rows, the textbook setting in which induction heads form (--reference_positions=rope: with
+  RoPE on its queries and keys instead, as GLM-5 has).
+
+Limits: one seed per run, a batch of 32, one thread; the step at which induction forms moves with the seed
+and the rates. The script answers "does it form within N steps here", not "can it ever".
+"""
+
+import argparse
+import math
+import os
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import model as glm
+import muon
+import train
+
+
+def toy_glm5(kv_lora_rank=0, dense_layers=0, optimizer="muon"):
+    """configs/toy.py's GLM-5 with dense attention (the copy must not depend on the indexer's choice).
+    kv_lora_rank: the MLA latent's width (0: the toy's); dense_layers: that many layers, all with a dense
+    MLP (0: the toy's 1 dense + 3 MoE); optimizer: "muon" (train.py's Muon + AdamW at its default rates) or
+    "adamw" (AdamW at 1e-3 on every weight, as the reference). -> (model, optimizers)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    cfg, _ = glm.load_config_file(os.path.join(here, "configs", "toy.py"))
+    cfg.dsa_mode = "dense"
+    if kv_lora_rank:
+        cfg.kv_lora_rank = kv_lora_rank
+    if dense_layers:
+        cfg.num_hidden_layers = dense_layers
+        cfg.first_k_dense_replace = dense_layers
+    m = glm.GLM5(cfg)
+    if optimizer == "adamw":
+        return m, [torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.0)]
+    return m, list(muon.build_optimizers(m, lr_muon=0.02, lr_adamw=3e-3, weight_decay=0.1))
+
+
+def rope(x, theta=1e4):
+    """RoPE over the whole last dim of x (B, H, T, hd), pairs of adjacent dims rotated by position."""
+    T, hd = x.shape[2], x.shape[3]
+    inv_freq = theta ** (-torch.arange(0, hd, 2, device=x.device).float() / hd)  # (hd / 2,)
+    angles = torch.arange(T, device=x.device).float()[:, None] * inv_freq[None]  # (T, hd / 2)
+    turn = torch.polar(torch.ones_like(angles), angles)
+    pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], hd // 2, 2))
+    return torch.view_as_real(pairs * turn).flatten(-2).to(x.dtype)
+
+
+class CausalAttention(nn.Module):
+    """Multi-head causal self-attention; positions="rope" rotates q and k, else they come in the input."""
+
+    def __init__(self, d, heads, positions):
+        super().__init__()
+        self.heads, self.positions = heads, positions
+        self.qkv = nn.Linear(d, 3 * d)
+        self.o = nn.Linear(d, d)
+
+    def forward(self, x):
+        B, T, d = x.shape
+        qkv = self.qkv(x).view(B, T, 3, self.heads, d // self.heads)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4)  # each (B, H, T, hd)
+        if self.positions == "rope":
+            q, k = rope(q), rope(k)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, hd)
+        return self.o(y.transpose(1, 2).reshape(B, T, d))
+
+
+class AttentionOnly(nn.Module):
+    """Two pre-norm causal self-attention layers, no MLP; positions "learned" (absolute embeddings added
+    to the input) or "rope". x (B, T) -> logits (B, T, V)."""
+
+    def __init__(self, vocab_size, max_len, d=128, heads=4, positions="learned"):
+        super().__init__()
+        self.emb = nn.Embedding(vocab_size, d)
+        self.pos = nn.Embedding(max_len, d) if positions == "learned" else None
+        self.attn = nn.ModuleList([CausalAttention(d, heads, positions) for _ in range(2)])
+        self.norms = nn.ModuleList([nn.LayerNorm(d) for _ in range(3)])
+        self.head = nn.Linear(d, vocab_size)
+
+    def forward(self, x):
+        h = self.emb(x)  # (B, T, d)
+        if self.pos is not None:
+            h = h + self.pos(torch.arange(x.shape[1], device=x.device))
+        for attn, norm in zip(self.attn, self.norms):
+            h = h + attn(norm(h))
+        return self.head(self.norms[2](h))
+
+
+def logits_of(m, x):
+    out = m(x)
+    return out[0] if isinstance(out, tuple) else out
+
+
+def repeat_loss(m, x, y):
+    """Mean cross-entropy over the targets that are not -1 (the repeats)."""
+    logits = logits_of(m, x)  # (B, T, V)
+    return F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-1)
+
+
+def fixed_batch(n_ids, span, g, batch=32, offset=0):
+    """`offset` random ids, then `span` random ids, then the same `span` again.
+    -> x, y (B, offset + 2 span - 1); only the second copy's targets count, less its first id (what precedes
+    it never preceded it)."""
+    pad = torch.randint(0, n_ids, (batch, offset), generator=g)
+    r = torch.randint(0, n_ids, (batch, span), generator=g)
+    ids = torch.cat([pad, r, r], dim=1)
+    y = ids[:, 1:].clone()
+    y[:, : offset + span - 1] = -1
+    y[:, offset + span - 1] = -1
+    return ids[:, :-1], y
+
+
+def train_loop(name, m, opts, batches, steps, log_every=100):
+    """Train on batches(g) for `steps` steps (grad clip 1.0); print the repeats' loss every log_every."""
+    g = torch.Generator().manual_seed(0)
+    t0 = time.time()
+    history = []
+    for step in range(steps + 1):
+        x, y = batches(g)
+        loss = repeat_loss(m, x, y)
+        for opt in opts:
+            opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+        for opt in opts:
+            opt.step()
+        if step % log_every == 0:
+            history.append((step, loss.item()))
+            seconds = time.time() - t0
+            print(f"  {name} step {step:5d}: repeats' loss {loss.item():.2f} ({seconds:.0f} s)", flush=True)
+    return history
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[1])
+    ap.add_argument("--runs", default="fixed,rows,reference", help="any of fixed, rows, reference")
+    ap.add_argument("--ids", type=int, default=512, help="the copied ids are drawn from this many")
+    ap.add_argument("--span", type=int, default=32, help="fixed: the copied length; rows: its maximum")
+    ap.add_argument("--steps", type=int, default=2000)
+    ap.add_argument("--fixed_steps", type=int, default=200)
+    ap.add_argument("--kv_lora_rank", type=int, default=0, help="0: the toy's; the MLA latent's width")
+    ap.add_argument("--dense_layers", type=int, default=0, help="0: the toy's layers; N: N dense layers")
+    ap.add_argument("--optimizer", default="muon", help="the toy's: muon (train.py's) or adamw (1e-3)")
+    ap.add_argument("--reference_positions", default="learned", help="the reference's: learned or rope")
+    ap.add_argument("--threads", type=int, default=1)
+    a = ap.parse_args()
+    runs = [r for r in a.runs.split(",") if r]
+    unknown = [r for r in runs if r not in ("fixed", "rows", "reference")]
+    if unknown:
+        raise SystemExit(f"unknown run {unknown[0]!r}; pick from fixed, rows, reference")
+    if a.optimizer not in ("muon", "adamw"):
+        raise SystemExit(f"unknown --optimizer {a.optimizer!r}; pick muon or adamw")
+    if a.reference_positions not in ("learned", "rope"):
+        raise SystemExit(f"unknown --reference_positions {a.reference_positions!r}; pick learned or rope")
+    if a.ids < 2 or a.span < 8:
+        raise SystemExit(f"--ids must be >= 2 and --span >= 8, got {a.ids} and {a.span}")
+    torch.set_num_threads(a.threads)
+    torch.manual_seed(0)
+    print(f"chance on the repeats: ln({a.ids}) = {math.log(a.ids):.2f} nats")
+
+    if "fixed" in runs:
+        print(f"== fixed: the toy GLM-5 on {a.span} ids then the same {a.span}, {a.fixed_steps} steps")
+        m, opts = toy_glm5(a.kv_lora_rank, a.dense_layers, a.optimizer)
+        train_loop("fixed", m, opts, lambda g: fixed_batch(a.ids, a.span, g), a.fixed_steps, log_every=50)
+        g = torch.Generator().manual_seed(1)
+        m.eval()
+        with torch.no_grad():
+            tests = [(a.span, 0), (a.span, a.span // 2), (a.span * 3 // 4, 0), (a.span * 5 // 4, 0)]
+            for span, offset in tests:
+                loss = repeat_loss(m, *fixed_batch(a.ids, span, g, offset=offset)).item()
+                print(f"  test: copy {span} ids back, after {offset} others: repeats' loss {loss:.2f}")
+        print("  (copying by content scores low at every distance; a positional lookup at one only)")
+
+    def rows(g):
+        return train.copy_rows(32, 2 * a.span, a.ids, g)
+
+    if "rows" in runs:
+        print(f"== rows: the toy GLM-5 on copy rows (periods 8..{a.span}), {a.steps} steps")
+        m, opts = toy_glm5(a.kv_lora_rank, a.dense_layers, a.optimizer)
+        train_loop("rows", m, opts, rows, a.steps)
+    if "reference" in runs:
+        print(f"== reference: a 2-layer attention-only transformer on the same rows, {a.steps} steps")
+        torch.manual_seed(0)
+        ref = AttentionOnly(a.ids, 2 * a.span, positions=a.reference_positions)
+        opts = [torch.optim.AdamW(ref.parameters(), lr=1e-3)]
+        train_loop("reference", ref, opts, rows, a.steps)
+
+
+if __name__ == "__main__":
+    main()
