@@ -136,7 +136,6 @@ def train_loop(name, m, opts, batches, steps, log_every=100):
     """Train on batches(g) for `steps` steps (grad clip 1.0); print the repeats' loss every log_every."""
     g = torch.Generator().manual_seed(0)
     t0 = time.time()
-    history = []
     for step in range(steps + 1):
         x, y = batches(g)
         loss = repeat_loss(m, x, y)
@@ -147,10 +146,8 @@ def train_loop(name, m, opts, batches, steps, log_every=100):
         for opt in opts:
             opt.step()
         if step % log_every == 0:
-            history.append((step, loss.item()))
             seconds = time.time() - t0
             print(f"  {name} step {step:5d}: repeats' loss {loss.item():.2f} ({seconds:.0f} s)", flush=True)
-    return history
 
 
 def main():

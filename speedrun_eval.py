@@ -268,7 +268,7 @@ def part_quant(run_dir, s, out_path):
         rows[label]["d_ppl"] = rows[label]["ppl"] / rows["BF16"]["ppl"] - 1
     return {
         "source": os.path.relpath(src, run_dir),
-        "val_tokens": len(batches) * 4 * 256,
+        "val_tokens": sum(int((y != -1).sum()) for _, y in batches),  # the targets scored (SFT masks most)
         "text": text,
         "schemes": rows,
     }
