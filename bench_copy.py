@@ -7,22 +7,32 @@ al. 2022, "In-context learning and induction heads"): find the earlier occurrenc
 predict what followed it. This script trains models from scratch on synthetic copy data and prints the
 loss on the repeats, where chance is ln(ids):
 
-    python bench_copy.py                        # all three runs below, about 15 min on one CPU thread
+    python bench_copy.py                        # all three runs below, about 25 min on one CPU thread
     python bench_copy.py --runs=fixed           # one of them: fixed, rows, reference
-    python bench_copy.py --runs=rows --steps=3000 --kv_lora_rank=128
-    python bench_copy.py --runs=rows --dense_layers=2 --optimizer=adamw   # closest to the reference
+    python bench_copy.py --runs=rows --dense_layers=2 --optimizer=adamw   # the reference's depth and rate
+    python bench_copy.py --runs=reference --reference_layers=4            # the toy's depth
 
 - fixed: the toy GLM-5 (configs/toy.py, dense attention, train.py's Muon + AdamW) on `span` random ids
   followed by the same ids, then tested on copies at other distances. A model that learnt "attend `span`
   positions back" solves the training copy and fails the others (its loss goes past chance).
 - rows: the toy GLM-5 on train.py's copy rows (copy_rows: a span of 8 to `span` ids, repeated to
   2 * `span` tokens). The period varies, so only the content tells where to copy from.
-- reference: a two-layer attention-only transformer with learned positions (d 128, 4 heads, AdamW 1e-3)
-  on the same rows, the textbook setting in which induction heads form (--reference_positions=rope: with
-  RoPE on its queries and keys instead, as GLM-5 has).
+- reference: an attention-only transformer (2 layers by default, learned positions, d 128, 4 heads, AdamW
+  1e-3) on the same rows, the textbook setting in which induction heads form (--reference_positions=rope:
+  with RoPE on its queries and keys instead, as GLM-5 has). Its vocabulary is the toy's (4,096), so both
+  models spread their first guesses over the same ids.
 
-Limits: one seed per run, a batch of 32, one thread; the step at which induction forms moves with the seed
-and the rates. The script answers "does it form within N steps here", not "can it ever".
+The ids are drawn from the whole vocabulary by default. Drawing them from fewer (--ids=512) makes the task
+harder, not easier: the ids never seen must first be pushed down, and induction forms later (a RoPE
+reference on 512 ids forms it at step 600 with 512 outputs, at 900 with 4,096; the toy's block later still).
+
+What it found (the README's RL section has the figures): at two layers the toy's block forms induction
+about when the reference does; at the toy's four layers it does not within 3,000 steps, where a four-layer
+reference forms it by step 1,100. Scratch runs put the delay on the MLA latents and the N(0, 0.02) init;
+and with train.py's Muon instead of AdamW even the two-layer toy does not form it by step 1,500.
+
+Limits: one seed per run, a batch of 32, one thread; the step at which induction forms moves with the seed,
+the depth and the rates. The script answers "does it form within N steps here", not "can it ever".
 """
 
 import argparse
@@ -39,14 +49,23 @@ import muon
 import train
 
 
-def toy_glm5(kv_lora_rank=0, dense_layers=0, optimizer="muon"):
+def toy_config():
+    """configs/toy.py's ModelConfig."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    cfg, _ = glm.load_config_file(os.path.join(here, "configs", "toy.py"))
+    return cfg
+
+
+def toy_glm5(kv_lora_rank=0, dense_layers=0, optimizer="muon", init_std=0.0):
     """configs/toy.py's GLM-5 with dense attention (the copy must not depend on the indexer's choice).
     kv_lora_rank: the MLA latent's width (0: the toy's); dense_layers: that many layers, all with a dense
     MLP (0: the toy's 1 dense + 3 MoE); optimizer: "muon" (train.py's Muon + AdamW at its default rates) or
-    "adamw" (AdamW at 1e-3 on every weight, as the reference). -> (model, optimizers)."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    cfg, _ = glm.load_config_file(os.path.join(here, "configs", "toy.py"))
+    "adamw" (AdamW at 1e-3 on every weight, as the reference); init_std: the config's initializer_range
+    (0: the toy's). -> (model, optimizers)."""
+    cfg = toy_config()
     cfg.dsa_mode = "dense"
+    if init_std:
+        cfg.initializer_range = init_std
     if kv_lora_rank:
         cfg.kv_lora_rank = kv_lora_rank
     if dense_layers:
@@ -88,15 +107,16 @@ class CausalAttention(nn.Module):
 
 
 class AttentionOnly(nn.Module):
-    """Two pre-norm causal self-attention layers, no MLP; positions "learned" (absolute embeddings added
-    to the input) or "rope". x (B, T) -> logits (B, T, V)."""
+    """`layers` pre-norm causal self-attention layers, no MLP; positions "learned" (absolute embeddings
+    added to the input) or "rope". x (B, T) -> logits (B, T, V)."""
 
-    def __init__(self, vocab_size, max_len, d=128, heads=4, positions="learned"):
+    def __init__(self, vocab_size, max_len, d=128, heads=4, positions="learned", layers=2):
         super().__init__()
         self.emb = nn.Embedding(vocab_size, d)
         self.pos = nn.Embedding(max_len, d) if positions == "learned" else None
-        self.attn = nn.ModuleList([CausalAttention(d, heads, positions) for _ in range(2)])
-        self.norms = nn.ModuleList([nn.LayerNorm(d) for _ in range(3)])
+        self.attn = nn.ModuleList([CausalAttention(d, heads, positions) for _ in range(layers)])
+        self.norms = nn.ModuleList([nn.LayerNorm(d) for _ in range(layers)])
+        self.final_norm = nn.LayerNorm(d)
         self.head = nn.Linear(d, vocab_size)
 
     def forward(self, x):
@@ -105,7 +125,7 @@ class AttentionOnly(nn.Module):
             h = h + self.pos(torch.arange(x.shape[1], device=x.device))
         for attn, norm in zip(self.attn, self.norms):
             h = h + attn(norm(h))
-        return self.head(self.norms[2](h))
+        return self.head(self.final_norm(h))
 
 
 def logits_of(m, x):
@@ -153,14 +173,16 @@ def train_loop(name, m, opts, batches, steps, log_every=100):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[1])
     ap.add_argument("--runs", default="fixed,rows,reference", help="any of fixed, rows, reference")
-    ap.add_argument("--ids", type=int, default=512, help="the copied ids are drawn from this many")
+    ap.add_argument("--ids", type=int, default=0, help="the copied ids are drawn from this many (0: all)")
     ap.add_argument("--span", type=int, default=32, help="fixed: the copied length; rows: its maximum")
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--fixed_steps", type=int, default=200)
     ap.add_argument("--kv_lora_rank", type=int, default=0, help="0: the toy's; the MLA latent's width")
     ap.add_argument("--dense_layers", type=int, default=0, help="0: the toy's layers; N: N dense layers")
+    ap.add_argument("--init_std", type=float, default=0.0, help="0: the toy's initializer_range (0.02)")
     ap.add_argument("--optimizer", default="muon", help="the toy's: muon (train.py's) or adamw (1e-3)")
     ap.add_argument("--reference_positions", default="learned", help="the reference's: learned or rope")
+    ap.add_argument("--reference_layers", type=int, default=2, help="the reference's attention layers")
     ap.add_argument("--threads", type=int, default=1)
     a = ap.parse_args()
     runs = [r for r in a.runs.split(",") if r]
@@ -171,15 +193,22 @@ def main():
         raise SystemExit(f"unknown --optimizer {a.optimizer!r}; pick muon or adamw")
     if a.reference_positions not in ("learned", "rope"):
         raise SystemExit(f"unknown --reference_positions {a.reference_positions!r}; pick learned or rope")
-    if a.ids < 2 or a.span < 8:
-        raise SystemExit(f"--ids must be >= 2 and --span >= 8, got {a.ids} and {a.span}")
+    vocab_size = toy_config().vocab_size
+    a.ids = a.ids or vocab_size
+    if not 2 <= a.ids <= vocab_size or a.span < 8:
+        raise SystemExit(
+            f"--ids must lie in [2, {vocab_size}] (the toy's vocabulary) and --span be >= 8, "
+            f"got {a.ids} and {a.span}"
+        )
+    if a.reference_layers < 1:
+        raise SystemExit(f"--reference_layers must be >= 1, got {a.reference_layers}")
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
     print(f"chance on the repeats: ln({a.ids}) = {math.log(a.ids):.2f} nats")
 
     if "fixed" in runs:
         print(f"== fixed: the toy GLM-5 on {a.span} ids then the same {a.span}, {a.fixed_steps} steps")
-        m, opts = toy_glm5(a.kv_lora_rank, a.dense_layers, a.optimizer)
+        m, opts = toy_glm5(a.kv_lora_rank, a.dense_layers, a.optimizer, a.init_std)
         train_loop("fixed", m, opts, lambda g: fixed_batch(a.ids, a.span, g), a.fixed_steps, log_every=50)
         g = torch.Generator().manual_seed(1)
         m.eval()
@@ -195,12 +224,13 @@ def main():
 
     if "rows" in runs:
         print(f"== rows: the toy GLM-5 on copy rows (periods 8..{a.span}), {a.steps} steps")
-        m, opts = toy_glm5(a.kv_lora_rank, a.dense_layers, a.optimizer)
+        m, opts = toy_glm5(a.kv_lora_rank, a.dense_layers, a.optimizer, a.init_std)
         train_loop("rows", m, opts, rows, a.steps)
     if "reference" in runs:
-        print(f"== reference: a 2-layer attention-only transformer on the same rows, {a.steps} steps")
+        L = a.reference_layers
+        print(f"== reference: a {L}-layer attention-only transformer on the same rows, {a.steps} steps")
         torch.manual_seed(0)
-        ref = AttentionOnly(a.ids, 2 * a.span, positions=a.reference_positions)
+        ref = AttentionOnly(vocab_size, 2 * a.span, positions=a.reference_positions, layers=L)
         opts = [torch.optim.AdamW(ref.parameters(), lr=1e-3)]
         train_loop("reference", ref, opts, rows, a.steps)
 

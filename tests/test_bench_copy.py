@@ -1,5 +1,5 @@
 """bench_copy.py: its fixed-period batches count exactly the targets a copy can predict, and its
-attention-only reference is causal (what the induction probe's conclusions rest on)."""
+attention-only reference is causal at any depth (what the induction probe's conclusions rest on)."""
 
 import torch
 
@@ -49,6 +49,17 @@ def test_reference_rope_scores_depend_on_the_offset_only():
 def test_rope_reference_is_causal():
     torch.manual_seed(0)
     ref = bench_copy.AttentionOnly(vocab_size=32, max_len=16, positions="rope").eval()
+    x = torch.randint(0, 32, (2, 16))
+    changed = x.clone()
+    changed[:, 10:] = (changed[:, 10:] + 1) % 32
+    with torch.no_grad():
+        torch.testing.assert_close(ref(x)[:, :10], ref(changed)[:, :10])
+
+
+def test_reference_depth_is_a_flag_and_stays_causal():
+    torch.manual_seed(0)
+    ref = bench_copy.AttentionOnly(vocab_size=32, max_len=16, layers=4).eval()
+    assert len(ref.attn) == len(ref.norms) == 4
     x = torch.randint(0, 32, (2, 16))
     changed = x.clone()
     changed[:, 10:] = (changed[:, 10:] + 1) % 32
