@@ -78,13 +78,11 @@ def toy_glm5(kv_lora_rank=0, dense_layers=0, optimizer="muon", init_std=0.0, lr_
 
 
 def rope(x, theta=1e4):
-    """RoPE over the whole last dim of x (B, H, T, hd), pairs of adjacent dims rotated by position."""
+    """GLM-5's own RoPE (model.rope_cos_sin and apply_rope: adjacent pairs rotated by position) over the
+    whole last dim of x (B, H, T, hd)."""
     T, hd = x.shape[2], x.shape[3]
-    inv_freq = theta ** (-torch.arange(0, hd, 2, device=x.device).float() / hd)  # (hd / 2,)
-    angles = torch.arange(T, device=x.device).float()[:, None] * inv_freq[None]  # (T, hd / 2)
-    turn = torch.polar(torch.ones_like(angles), angles)
-    pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], hd // 2, 2))
-    return torch.view_as_real(pairs * turn).flatten(-2).to(x.dtype)
+    cos, sin = glm.rope_cos_sin(torch.arange(T, device=x.device)[None], hd, theta)  # (1, T, hd / 2)
+    return glm.apply_rope(x.transpose(1, 2), cos, sin).transpose(1, 2)  # rotated as (B, T, H, hd)
 
 
 class CausalAttention(nn.Module):
@@ -128,14 +126,9 @@ class AttentionOnly(nn.Module):
         return self.head(self.final_norm(h))
 
 
-def logits_of(m, x):
-    out = m(x)
-    return out[0] if isinstance(out, tuple) else out
-
-
 def repeat_loss(m, x, y):
     """Mean cross-entropy over the targets that are not -1 (the repeats)."""
-    logits = logits_of(m, x)  # (B, T, V)
+    logits = m(x)  # (B, T, V): GLM5 without targets and AttentionOnly both return the logits alone
     return F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-1)
 
 
@@ -147,8 +140,7 @@ def fixed_batch(n_ids, span, g, batch=32, offset=0):
     r = torch.randint(0, n_ids, (batch, span), generator=g)
     ids = torch.cat([pad, r, r], dim=1)
     y = ids[:, 1:].clone()
-    y[:, : offset + span - 1] = -1
-    y[:, offset + span - 1] = -1
+    y[:, : offset + span] = -1  # the padding, the first copy, and the second copy's first id
     return ids[:, :-1], y
 
 
