@@ -342,27 +342,21 @@ def test_stage_settings_are_checked():
     assert rl_async.parse_teachers(cfg["teachers"]) == {"math:0": "out_a/ckpt.pt"}
 
 
-def test_the_toy_recipe_commands_are_valid():
-    """Each train.py command of the recipe that makes the toy policy passes train.py's own checks, each
-    stage starts from the checkpoint an earlier step writes, and the last step writes configs/rl_toy.py's
-    init_from."""
-    import train
+def test_the_toy_recipe_makes_the_toy_policy():
+    """The command that makes the toy policy is speedrun.py's, with a preset and a stage it knows, and the
+    checkpoint its last stage writes is configs/rl_toy.py's init_from."""
+    import speedrun
 
-    written = set()
-    for path, command in rl_async.TOY_RECIPE:
-        argv = command.split()
-        if argv[0] == "train.py":
-            train.resolve_config(argv[1:])  # raises SystemExit on an unknown key or a bad value
-            init = None
-            for arg in argv:
-                if arg.startswith("--init_from="):
-                    init = arg.split("=", 1)[1]
-            assert init is None or init in written, (command, init)
-        else:
-            assert argv[0] == "sft_data.py" and path in argv
-        written.add(path)
-    cfg = rl_async.resolve_config([os.path.join(os.path.dirname(rl_async.__file__), "configs", "rl_toy.py")])
-    assert cfg["init_from"] == rl_async.TOY_POLICY == rl_async.TOY_RECIPE[-1][0]
+    argv = rl_async.TOY_RECIPE.split()
+    assert argv[0] == "speedrun.py"
+    flags = dict(zip(argv[1::2], argv[2::2]))
+    assert flags["--preset"] in speedrun.PRESETS and flags["--stop_after"] in speedrun.STAGE_NAMES
+    written = os.path.join("runs", flags["--run"], flags["--stop_after"], "ckpt.pt")
+    assert rl_async.TOY_POLICY == written
+    here = os.path.dirname(rl_async.__file__)
+    assert os.path.dirname(os.path.abspath(speedrun.__file__)) == os.path.abspath(here)
+    cfg = rl_async.resolve_config([os.path.join(here, "configs", "rl_toy.py")])
+    assert cfg["init_from"] == rl_async.TOY_POLICY
 
 
 class KillerEnv(CoinEnv):
