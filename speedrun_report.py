@@ -19,7 +19,7 @@ import os
 import platform
 
 # train.py's, in pipeline order (sft_episodes is its SFT stage again, on the environment episodes alone)
-TRAIN_STAGES = ("pretrain", "dsa_warmup", "dsa_sparse", "sft", "sft_episodes")
+TRAIN_STAGES = ("copy_warmup", "pretrain", "dsa_warmup", "dsa_sparse", "sft", "sft_episodes")
 GLM5 = "GLM-5 report (arXiv 2602.15763)"
 FIGURES = {  # what the report says for each stage, cited by section
     "pretrain": f"{GLM5}, pre-training section: 28.5T tokens of pre-training (no loss value published)",
@@ -123,6 +123,12 @@ def train_summary(run_dir, name):
     }
 
 
+def last_copy_probe(run_dir, name):
+    """train.py's last copy probe of a stage ({"first", "second", "acc_second"}), or None."""
+    recs = [r for r in read_metrics(os.path.join(run_dir, name, "metrics.jsonl")) if "copy" in r]
+    return recs[-1]["copy"] if recs and finished(run_dir, name) else None
+
+
 def rl_summary(run_dir):
     recs = read_metrics(os.path.join(run_dir, "rl", "metrics.jsonl"))
     evals = [r for r in recs if "heldout_reward" in r]
@@ -161,7 +167,7 @@ def skipped(name, failed):
 
 
 def section_pretrain(run_dir, failed):
-    out = ["## Pretraining (dense)\n"]
+    out = ["## Pretraining (dense; after the copy warm-up)\n"]
     if not finished(run_dir, "pretrain"):
         return out + [skipped("pretrain", failed)]
     s = train_summary(run_dir, "pretrain")
@@ -170,6 +176,14 @@ def section_pretrain(run_dir, failed):
         f"final train lm loss {fmt(s['last'].get('lm'))}, MTP loss {fmt(s['last'].get('mtp'))}; "
         f"val loss **{fmt(s['val'])}**\n"
     )
+    for name in ("copy_warmup", "pretrain"):
+        probe = last_copy_probe(run_dir, name)
+        if probe:
+            out.append(
+                f"- copy probe after {name} (train.py: 64 random ids, then the same 64 again): top-1 "
+                f"**{probe['acc_second']:.0%}** on the second copy, {probe['second']:.2f} nats against "
+                f"{probe['first']:.2f} on the first\n"
+            )
     out.append(f"- GLM-5: {FIGURES['pretrain']}\n")
     sample = pretrain_sample(read_log(os.path.join(run_dir, "pretrain", "log.txt")))
     if sample:
@@ -386,7 +400,7 @@ def stage_table(run_dir, stages, failed):
             s = train_summary(run_dir, name)
             tokens = f"{s['tokens']:,}"
             losses = f"lm {fmt(s['last'].get('lm'))}, val {fmt(s['val'])}"
-            if name != "pretrain":
+            if name not in ("copy_warmup", "pretrain"):
                 losses += f", kl {fmt(s['last'].get('indexer_kl'))}"
         if name == "rl" and done:
             s = rl_summary(run_dir)

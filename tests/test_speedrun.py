@@ -40,7 +40,8 @@ def test_settings_overrides_and_their_errors():
     with pytest.raises(SystemExit, match="unknown preset"):
         speedrun.stage_settings("laptop", [])
     for preset in speedrun.PRESETS.values():  # every preset sets every stage that takes settings
-        stages = {"pretrain", "dsa_warmup", "dsa_sparse", "episodes", "sft", "sft_episodes", "rl", "eval"}
+        stages = {"copy_warmup", "pretrain", "dsa_warmup", "dsa_sparse", "episodes", "sft", "sft_episodes"}
+        stages |= {"rl", "eval"}
         assert set(preset) == stages
 
 
@@ -129,6 +130,12 @@ def test_a_stage_stopped_midway_resumes_from_its_own_checkpoint(tmp_path):
         assert "--resume=True" in cmds[0]
     cmds, _ = speedrun.stage_commands("sft", run, table, args)
     assert f"--init_from={os.path.join(run, 'dsa_sparse', 'ckpt.pt')}" in cmds[0]
+    # the copy warm-up is train.py's pretraining on copy rows alone, and pretraining continues from it
+    cmds, _ = speedrun.stage_commands("copy_warmup", run, table, args)
+    assert "--stage=pretrain" in cmds[0] and "--copy_frac=1.0" in cmds[0]
+    assert not any(c.startswith("--init_from=") for c in cmds[0])
+    cmds, _ = speedrun.stage_commands("pretrain", run, table, args)
+    assert f"--init_from={os.path.join(run, 'copy_warmup', 'ckpt.pt')}" in cmds[0]
     # the episodes-only SFT continues the mixed one, and RL starts from it
     cmds, _ = speedrun.stage_commands("sft_episodes", run, table, args)
     assert f"--init_from={os.path.join(run, 'sft', 'ckpt.pt')}" in cmds[0] and "--sft_stdlib=False" in cmds[0]
