@@ -559,7 +559,7 @@ def ensure_toy_policy(here=None):
         return
     print(
         f"no toy SFT policy at {TOY_POLICY}: making it first with the workshop run's stages up to SFT on "
-        f"solved toy-level episodes (about 25 minutes on a 2-core CPU, once): python {TOY_RECIPE}",
+        f"solved toy-level episodes (about 35 minutes on a 2-core CPU, once): python {TOY_RECIPE}",
         flush=True,
     )
     done = subprocess.run([sys.executable] + TOY_RECIPE.split(), cwd=here)
