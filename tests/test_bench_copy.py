@@ -1,6 +1,7 @@
 """bench_copy.py: its fixed-period batches count exactly the targets a copy can predict, and its
 attention-only reference is causal at any depth (what the induction probe's conclusions rest on)."""
 
+import pytest
 import torch
 
 import bench_copy
@@ -21,9 +22,11 @@ def test_fixed_batch_counts_only_the_copyable_targets():
         assert x[b, t] == x[b, t - span]
 
 
-def test_attention_only_reference_is_causal():
+@pytest.mark.parametrize("positions,layers", [("learned", 2), ("rope", 2), ("learned", 4)])
+def test_attention_only_reference_is_causal(positions, layers):
     torch.manual_seed(0)
-    ref = bench_copy.AttentionOnly(vocab_size=32, max_len=16).eval()
+    ref = bench_copy.AttentionOnly(vocab_size=32, max_len=16, positions=positions, layers=layers).eval()
+    assert len(ref.attn) == len(ref.norms) == layers
     x = torch.randint(0, 32, (2, 16))
     changed = x.clone()
     changed[:, 10:] = (changed[:, 10:] + 1) % 32
@@ -44,24 +47,3 @@ def test_reference_rope_scores_depend_on_the_offset_only():
     dots = (qs[0, 0, :, None] * ks[0, 0, None, :]).sum(-1)  # (T, T): query at i, key at j
     torch.testing.assert_close(dots[5, 2], dots[9, 6])  # both 3 apart
     assert not torch.allclose(dots[5, 2], dots[5, 3])
-
-
-def test_rope_reference_is_causal():
-    torch.manual_seed(0)
-    ref = bench_copy.AttentionOnly(vocab_size=32, max_len=16, positions="rope").eval()
-    x = torch.randint(0, 32, (2, 16))
-    changed = x.clone()
-    changed[:, 10:] = (changed[:, 10:] + 1) % 32
-    with torch.no_grad():
-        torch.testing.assert_close(ref(x)[:, :10], ref(changed)[:, :10])
-
-
-def test_reference_depth_is_a_flag_and_stays_causal():
-    torch.manual_seed(0)
-    ref = bench_copy.AttentionOnly(vocab_size=32, max_len=16, layers=4).eval()
-    assert len(ref.attn) == len(ref.norms) == 4
-    x = torch.randint(0, 32, (2, 16))
-    changed = x.clone()
-    changed[:, 10:] = (changed[:, 10:] + 1) % 32
-    with torch.no_grad():
-        torch.testing.assert_close(ref(x)[:, :10], ref(changed)[:, :10])
