@@ -113,10 +113,13 @@ PRESETS = {
     },
     # a GPU and configs/small.py: python speedrun.py --device cuda --config configs/small.py --preset gpu
     "gpu": {
-        # not measured on small.py: a larger model may form induction from the corpus alone
+        # not measured on small.py (a larger model may form induction from the corpus alone): the toy's
+        # rates, the ones at which it forms (at train.py's default 0.02 the toy does not, bench_copy.py)
         "copy_warmup": dict(max_iters=1600, batch_size=32, block_size=64, copy_frac=1.0, decay_frac=0.0,
-                            mtp_weight_early=0.0, mtp_weight_late=0.0, eval_interval=400, sample_tokens=0),
-        "pretrain": dict(max_iters=5000, batch_size=16, eval_interval=500, eval_iters=20, sample_tokens=64),
+                            lr_muon=0.005, lr_adamw=6e-3, mtp_weight_early=0.0, mtp_weight_late=0.0,
+                            eval_interval=400, sample_tokens=0),
+        "pretrain": dict(max_iters=5000, batch_size=16, copy_frac=0.125, eval_interval=500, eval_iters=20,
+                         sample_tokens=64),
         "dsa_warmup": dict(max_iters=500, batch_size=16, lr_adamw=5e-3, warmup_iters=20, eval_interval=250,
                            eval_iters=20, sample_tokens=0),
         "dsa_sparse": dict(max_iters=1000, batch_size=16, eval_interval=500, eval_iters=20, sample_tokens=0),

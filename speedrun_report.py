@@ -400,7 +400,10 @@ def stage_table(run_dir, stages, failed):
             s = train_summary(run_dir, name)
             tokens = f"{s['tokens']:,}"
             losses = f"lm {fmt(s['last'].get('lm'))}, val {fmt(s['val'])}"
-            if name not in ("copy_warmup", "pretrain"):
+            if name == "copy_warmup":  # its val loss on code means nothing: its figure is the copy probe
+                probe = last_copy_probe(run_dir, name) or {}
+                losses = f"lm {fmt(s['last'].get('lm'))}, copy top-1 {fmt(probe.get('acc_second'), '.0%')}"
+            elif name != "pretrain":
                 losses += f", kl {fmt(s['last'].get('indexer_kl'))}"
         if name == "rl" and done:
             s = rl_summary(run_dir)
@@ -470,7 +473,7 @@ def draw_plots(run_dir):
             s = train_summary(run_dir, name)
             key = 2 if name == "dsa_warmup" else 1  # the warm-up trains on the KL alone
             ax.plot([c[0] for c in s["curve"]], [c[key] for c in s["curve"]], label="train")
-            if s["val_curve"] and key == 1:
+            if s["val_curve"] and key == 1 and name != "copy_warmup":  # code val after copy rows only
                 ax.plot(*zip(*s["val_curve"]), "o-", label="val")
             ax.set_title(f"{name}: {'indexer KL' if key == 2 else 'lm loss'}")
             ax.set_xlabel("step")
