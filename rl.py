@@ -19,9 +19,10 @@ What is here, as plain functions on tensors and Trajectory records (rollout.py):
 - the trainer's step: token_logprobs (a teacher-forced forward of model.GLM5 on the exact token ids),
   policy_loss (group-relative advantages and one of the three losses by `kind`) and rl_step (backward, clip,
   one step of train.py's Muon + AdamW from build_optimizers), with the indexers and the MoE router bias
-  frozen and the balance and MTP losses off, as GLM-5 trains RL; under torchrun (FSDP2) each rank trains
-  its rows of the whole batch (rank_loss: the batch's advantages and token count, so the ranks' gradients
-  add up to one process's); reset_optimizers, the optional optimizer reset after a weight push.
+  frozen and the balance and MTP losses off, as GLM-5 trains RL; backward_batch accumulates the gradient
+  over micro-batches of like-length rows (a mix of short and long episodes pads little); under torchrun
+  (FSDP2) each rank trains its rows of the whole batch (the batch's advantages and token count, so the
+  ranks' gradients add up to one process's); reset_optimizers, the optional optimizer reset after a push.
 - the DP-aware router: consistent hashing with virtual nodes and bounded loads (Mirrokni, Thorup and
   Zadimoghaddam, "Consistent Hashing with Bounded Loads", SODA 2018), so a multi-turn rollout keeps hitting
   one replica's prefix cache.
@@ -397,63 +398,121 @@ def policy_loss(
     return reasoning_loss(logp, logp.detach(), logp_rollout, adv, mask, **band)
 
 
-def rank_loss(m, trajs, kind, teacher, temperature, world, rank, **band):
-    """This rank's share of policy_loss over a batch that every rank holds whole (the trainer under
-    torchrun): rows rank, rank + world, ...; the advantages from the whole batch's groups; every sum divided
-    by the whole batch's loss-mask tokens, and times world, because FSDP2 averages the gradients over the
-    ranks: the ranks' gradients then add up to the one-process gradient of the whole batch. A rank with no
-    row (fewer trajectories than ranks) runs the first one with weight 0, as FSDP needs every rank's
-    forward and backward. -> (loss to backward, stats over the whole batch, every rank the same)."""
-    rows = list(range(rank, len(trajs), world))
-    weight = 1.0
-    if not rows:
-        rows = [0]
-        weight = 0.0
+def micro_batches(lengths, max_tokens):
+    """Gradient accumulation's split of a batch: row indices sorted by length, so rows of like length pad
+    together, cut so that each micro-batch holds at most max_tokens padded tokens (its rows times its
+    longest row; a row longer than that goes alone). A mix of short chat replies and long tool episodes
+    then costs its tokens, not its rows times the longest episode, and memory is bounded by max_tokens.
+    max_tokens 0: one micro-batch. lengths: the rows' token counts -> a list of lists of row indices."""
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+    if not order:
+        return []
+    if max_tokens <= 0:
+        return [order]
+    out, cur = [], []
+    for i in order:
+        if cur and (len(cur) + 1) * lengths[i] > max_tokens:  # sorted: row i is the longest yet
+            out.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        out.append(cur)
+    return out
+
+
+def backward_batch(m, trajs, kind, teacher, temperature, world=1, rank=0, micro_tokens=0, **band):
+    """policy_loss of a batch, backward, by micro-batches (micro_batches: gradient accumulation, exact up to
+    float rounding: every term divides by the whole batch's loss-mask tokens and the group advantages come
+    from the whole batch). Under torchrun every rank holds the whole batch and trains rows rank, rank +
+    world, ...; its loss is scaled by world because FSDP2 averages the gradients over the ranks, so the
+    ranks' gradients add up to the one-process gradient. Every rank runs as many micro-batches as the rank
+    with the most (FSDP's collectives run per forward and backward); a rank short of rows runs its first
+    (or the batch's first) row with weight 0. -> the step's statistics over the whole batch (every rank
+    the same), "loss" the whole batch's."""
     n_tokens = sum(sum(t.mask) for t in trajs)  # the first token is never sampled (collate checks it)
-    mine = [trajs[i] for i in rows]
     adv = None
     if kind != "distill":
-        adv = trajectory_advantages(trajs)[rows]
-    if teacher is not None and not isinstance(teacher, torch.nn.Module):
-        teacher = [teacher[i] for i in rows]
-    loss, stats = policy_loss(
-        m, mine, kind, teacher, temperature, advantages=adv, n_tokens=n_tokens, **band
-    )
-    # the whole batch's statistics: token-weighted sums over the ranks
-    n = stats["tokens"] * weight
-    keys = [k for k in stats if k != "tokens"]
-    sums = torch.tensor([loss.item() * weight, n] + [stats[k] * n for k in keys], dtype=torch.float64)
-    dist.all_reduce(sums)
-    total = max(float(sums[1]), 1.0)
-    out = {"tokens": int(sums[1])}
-    for i, k in enumerate(keys):
-        out[k] = float(sums[2 + i]) / total
-    out["loss"] = float(sums[0])
-    return loss * (weight * world), out
+        adv = trajectory_advantages(trajs)  # (N,), from the whole batch's groups
+    lengths = [len(t.ids) for t in trajs]
+
+    def split(r):  # rank r's micro-batches, as indices into trajs
+        rows = list(range(r, len(trajs), world))
+        return [[rows[j] for j in mb] for mb in micro_batches([lengths[i] for i in rows], micro_tokens)]
+
+    mine = split(rank)
+    if world > 1:  # the batch is the same on every rank, so each can count every rank's micro-batches
+        most = max(len(split(r)) for r in range(world))
+        filler = (mine[0] if mine else [0])[:1]
+        mine = [(mb, 1.0) for mb in mine] + [(filler, 0.0)] * (most - len(mine))
+    else:
+        mine = [(mb, 1.0) for mb in mine]
+    total, sums = 0.0, Counter()
+    for rows, weight in mine:
+        part_teacher = teacher
+        if teacher is not None and not isinstance(teacher, torch.nn.Module):
+            part_teacher = [teacher[i] for i in rows]
+        part_adv = None
+        if adv is not None:
+            part_adv = adv[rows]
+        loss, stats = policy_loss(
+            m,
+            [trajs[i] for i in rows],
+            kind,
+            part_teacher,
+            temperature,
+            advantages=part_adv,
+            n_tokens=n_tokens,
+            **band,
+        )
+        (loss * (weight * world)).backward()
+        total += loss.item() * weight
+        n = stats["tokens"] * weight
+        sums["tokens"] += n
+        for k in stats:
+            if k != "tokens":
+                sums[k] += stats[k] * n
+    keys = sorted(k for k in sums if k != "tokens")
+    if world > 1:  # the whole batch's statistics: token-weighted sums over the ranks
+        vec = torch.tensor([total, sums["tokens"]] + [sums[k] for k in keys], dtype=torch.float64)
+        dist.all_reduce(vec)
+        total = float(vec[0])
+        sums = Counter({"tokens": float(vec[1])})
+        sums.update({k: float(vec[2 + i]) for i, k in enumerate(keys)})
+    out = {"tokens": int(sums["tokens"]), "loss": total}
+    for k in keys:
+        out[k] = sums[k] / max(sums["tokens"], 1.0)
+    return out
 
 
 def rl_step(
-    m, optimizers, trajs, kind="agentic", teacher=None, grad_clip=1.0, temperature=1.0, world=1, rank=0, **band
+    m,
+    optimizers,
+    trajs,
+    kind="agentic",
+    teacher=None,
+    grad_clip=1.0,
+    temperature=1.0,
+    world=1,
+    rank=0,
+    micro_tokens=0,
+    **band,
 ):
-    """One RL update on a batch of Trajectory records (after filter_buffer): policy_loss, backward, the
-    global gradient norm clipped to grad_clip (0: off), a step of every optimizer. The indexers must be
-    frozen (build_optimizers does it); the router bias is not touched. Under torchrun (world > 1, the model
+    """One RL update on a batch of Trajectory records (after filter_buffer): policy_loss and backward by
+    micro-batches of at most micro_tokens padded tokens (backward_batch; 0: the batch at once), the global
+    gradient norm clipped to grad_clip (0: off), a step of every optimizer. The indexers must be frozen
+    (build_optimizers does it); the router bias is not touched. Under torchrun (world > 1, the model
     sharded by train.py's FSDP2, parallel.shard_model) every rank calls it with the same whole batch and
-    trains its rows (rank_loss). -> the step's log statistics."""
+    trains its rows. -> the step's log statistics."""
     if any(p.requires_grad for n, p in m.named_parameters() if ".indexer." in n):
         raise ValueError(
             "RL trains with the indexers frozen; build the optimizers with rl.build_optimizers"
         )
     m.train()
     trainable = [p for p in m.parameters() if p.requires_grad]
+    stats = backward_batch(m, trajs, kind, teacher, temperature, world, rank, micro_tokens, **band)
     if world > 1:
-        loss, stats = rank_loss(m, trajs, kind, teacher, temperature, world, rank, **band)
-        loss.backward()
         grad_norm = parallel.clip_grad_norm_(trainable, grad_clip if grad_clip > 0 else math.inf)
     else:
-        loss, stats = policy_loss(m, trajs, kind, teacher, temperature, **band)
-        loss.backward()
-        stats["loss"] = loss.item()
         grad_norm = torch.nn.utils.clip_grad_norm_(trainable, grad_clip if grad_clip > 0 else math.inf)
     for o in optimizers:
         o.step()

@@ -49,12 +49,12 @@ The loop, one code path with a `mode` switch:
 
 At scale the trainer runs under torchrun with train.py's sharding (FSDP2 over every block, the experts
 split by expert parallelism with --expert_parallel=True): rank 0 runs the loop, the orchestrator and the
-log, and broadcasts each step's whole batch; every rank trains its rows of it (rl.rank_loss: the whole
-batch's advantages and token count), FSDP2 reduces the gradients; a push or a checkpoint gathers the shards
-to rank 0 (parallel.full_state), which writes them. The replicas are URLs and a push writes the weights to
-storage every replica reads (what runs here: save_pretrained to out_dir/push, then the HTTP call); a
-torch.distributed broadcast group from the trainer's ranks to the replicas' would skip the disk and is not
-built.
+log, and broadcasts each step's whole batch; every rank trains its rows of it in micro-batches
+(rl.backward_batch: the whole batch's advantages and token count), FSDP2 reduces the gradients; a push or a
+checkpoint gathers the shards to rank 0 (parallel.full_state), which writes them. The replicas are URLs
+and a push writes the weights to storage every replica reads (what runs here: save_pretrained to
+out_dir/push, then the HTTP call); a torch.distributed broadcast group from the trainer's ranks to the
+replicas' would skip the disk and is not built.
 
 Run it:
     python rl_async.py configs/rl_toy.py        # the toy run: 2 serve.py replicas of the toy SFT model
@@ -130,6 +130,7 @@ max_steps = 20  # trainer steps
 lr_muon = 2e-3  # placeholders: GLM-5 does not publish its RL learning rates
 lr_adamw = 3e-4
 grad_clip = 1.0
+micro_tokens = 8192  # gradient accumulation: at most this many padded tokens per forward (rl.micro_batches)
 temperature = 1.0  # the replicas sample at it, and token_logprobs divides by it
 max_tokens = 96  # per generation request
 thinking = False  # rollouts open the reply with <think> (True) or </think> (False)
@@ -417,6 +418,7 @@ def train_step(m, optimizers, kept, tasks, teacher_of_task, cfg, world, rank):
         teacher=teacher,
         grad_clip=cfg["grad_clip"],
         temperature=cfg["temperature"],
+        micro_tokens=cfg["micro_tokens"],
         world=world,
         rank=rank,
     )
@@ -427,8 +429,8 @@ def train_step(m, optimizers, kept, tasks, teacher_of_task, cfg, world, rank):
 #
 # Rank 0 alone talks to the replicas, plays the rollouts and logs. Before each collective it broadcasts
 # what comes (the step's whole batch, a push, a checkpoint, the end); follow() on the other ranks runs the
-# same call. Each rank trains its rows of the batch (rl.rank_loss); FSDP2 reduces the gradients; a push or
-# a checkpoint gathers the shards to rank 0, which writes them.
+# same call. Each rank trains its rows of the batch (rl.backward_batch); FSDP2 reduces the gradients; a
+# push or a checkpoint gathers the shards to rank 0, which writes them.
 
 
 def tell(world, *order):

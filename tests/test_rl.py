@@ -509,6 +509,52 @@ def test_per_trajectory_teachers_score_each_row_with_its_own():
         rl.teacher_logprobs([a, b], ids)
 
 
+def test_micro_batches_sort_by_length_and_bound_the_padded_tokens():
+    lengths = [9, 3, 12, 3, 7, 40, 5, 12]
+    parts = rl.micro_batches(lengths, 24)
+    assert sorted(i for p in parts for i in p) == list(range(len(lengths)))  # every row once
+    flat = [lengths[i] for p in parts for i in p]
+    assert flat == sorted(flat)  # like lengths together
+    for p in parts:
+        assert len(p) * max(lengths[i] for i in p) <= 24 or len(p) == 1  # a 40-token row goes alone
+    assert [lengths[i] for i in parts[-1]] == [40]
+    assert rl.micro_batches(lengths, 0) == [sorted(range(8), key=lambda i: (lengths[i], i))]
+    assert rl.micro_batches([], 24) == [] and rl.micro_batches([], 0) == []
+
+
+@pytest.mark.parametrize("kind", ["agentic", "reasoning", "distill"])
+def test_micro_batched_step_equals_the_whole_batch_step(kind):
+    """Gradient accumulation over like-length micro-batches lands on the weights and statistics of one
+    forward over the whole padded batch (every term divides by the whole batch's tokens, the advantages
+    come from its groups), with one teacher per row for distillation."""
+    import copy
+
+    ref = tiny_policy(7)
+    trajs = on_policy_batch(ref, 7, groups=3, n=3)
+    for t in trajs:  # off-policy rollout logprobs, so the band masks some tokens
+        shifted = []
+        for i, (lp, sampled) in enumerate(zip(t.logprobs, t.mask)):
+            shifted.append(lp - 0.8 * (i % 3 - 1) if sampled else 0.0)
+        t.logprobs = shifted
+    teacher = None
+    if kind == "distill":
+        a, b = tiny_policy(8), tiny_policy(9)
+        teacher = [a if i % 3 else b for i in range(len(trajs))]
+    rl.freeze_for_rl(ref)
+    m = copy.deepcopy(ref)
+    kw = dict(lr_muon=0.02, lr_adamw=0.01, ns_dtype=torch.float64)
+    opt_ref, opt_m = rl.build_optimizers(ref, **kw), rl.build_optimizers(m, **kw)
+    want = rl.rl_step(ref, opt_ref, trajs, kind, teacher=teacher, grad_clip=0.5)
+    assert len(rl.micro_batches([len(t.ids) for t in trajs], 30)) >= 3
+    got = rl.rl_step(m, opt_m, trajs, kind, teacher=teacher, grad_clip=0.5, micro_tokens=30)
+    assert got.keys() == want.keys()
+    for k in want:  # the fractions are float32 sums in the loss functions: equal to ~1e-7
+        assert abs(got[k] - want[k]) < 1e-6, (k, got[k], want[k])
+    assert 0 < want["masked_frac"] < 1
+    for (name, p), q in zip(ref.named_parameters(), m.parameters()):
+        torch.testing.assert_close(q, p, rtol=0, atol=1e-12, msg=name)
+
+
 def test_optimizer_reset_is_a_fresh_optimizer():
     import copy
 
@@ -536,7 +582,8 @@ def test_optimizer_reset_is_a_fresh_optimizer():
 def _rank_step_check(rank, world, mesh, seed):
     """One rl_step on this rank's rows against rl_step on the whole batch in one process (the same seed on
     both ranks, so both build the same reference): weights and statistics equal."""
-    for kind, n_trajs in [("agentic", 5), ("reasoning", 5), ("agentic", 1)]:
+    cases = [("agentic", 5, 0), ("reasoning", 5, 0), ("agentic", 1, 0), ("agentic", 5, 11)]
+    for kind, n_trajs, micro in cases:  # micro: the micro-batches' padded tokens (0: the rows at once)
         ref = tiny_policy(seed)
         m = tiny_policy(seed)
         trajs = on_policy_batch(ref, seed, groups=3, n=2)[:n_trajs]
@@ -551,7 +598,11 @@ def _rank_step_check(rank, world, mesh, seed):
         opt_ref = rl.build_optimizers(ref, **kw)
         opt_m = rl.build_optimizers(m, **kw)
         want = rl.rl_step(ref, opt_ref, trajs, kind, grad_clip=0.5)
-        got = rl.rl_step(m, opt_m, trajs, kind, grad_clip=0.5, world=world, rank=rank)
+        got = rl.rl_step(m, opt_m, trajs, kind, grad_clip=0.5, world=world, rank=rank, micro_tokens=micro)
+        if micro:  # every row alone (lengths 6 to 12): rank 0 runs three micro-batches, rank 1 two
+            lengths = [len(t.ids) for t in trajs]
+            counts = [len(rl.micro_batches([lengths[i] for i in range(r, 5, 2)], micro)) for r in range(2)]
+            assert counts[0] != counts[1], counts
         # the statistics' fractions are float32 sums in the loss functions: equal to ~1e-7
         for k in ("tokens", "masked_frac", "abs_r_minus_1", "loss", "grad_norm", "reward"):
             assert abs(got[k] - want[k]) < 1e-6, (kind, n_trajs, k, got[k], want[k])
@@ -566,6 +617,7 @@ def _rank_step_check(rank, world, mesh, seed):
 @pytest.mark.slow
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without torch.distributed")
 def test_the_sharded_step_under_fsdp2_equals_the_one_process_step():
-    """Two ranks, each training its rows of the same batch (odd sizes, and one trajectory for two ranks),
-    land on the one-process weights and statistics: the whole batch's advantages and token count."""
+    """Two ranks, each training its rows of the same batch (odd sizes, one trajectory for two ranks, and
+    micro-batches, a different number on each rank), land on the one-process weights and statistics: the
+    whole batch's advantages and token count."""
     on_two_gloo_ranks(_rank_step_check, 3)  # the assertions run in both ranks; either one failing fails this
