@@ -375,6 +375,11 @@ def train(m, tok, urls, cfg, log=print, revive=None, world=1, rank=0):
                 stats = train_step(m, optimizers, kept, tasks, teacher_of_task, cfg, world, rank)
                 version += 1
                 record.update(stats)
+            by_task = {}  # the training reward of each task of the mix, this step's valid trajectories
+            for t in batch:
+                if not t.failed:
+                    by_task.setdefault(orch.task_of(t.group), []).append(t.reward)
+            record["task_reward"] = {k: mean(v) for k, v in sorted(by_task.items())}
             orch.used(groups)
             record.update(reward=mean([t.reward for t in batch if not t.failed]), **fstats)
             record["staleness"] = {str(k): n for k, n in fstats["staleness"].items()}  # JSON's keys
@@ -536,6 +541,8 @@ def log_line(r, log):
         f"{r['stale']} stale + {r['failed']} failed + {r['dropped_groups']} groups, padded {r['padded']}, "
         f"{r['traj_per_s']:.2f} traj/s, idle {r['idle_frac']:.0%}"
     )
+    if len(r.get("task_reward", {})) > 1:
+        line += ", by task {" + ", ".join(f"{k}: {v:.2f}" for k, v in r["task_reward"].items()) + "}"
     if "heldout_reward" in r:
         line += f", held-out {r['heldout_reward']}"
     log(line)

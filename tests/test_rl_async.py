@@ -110,7 +110,7 @@ def loop(tok, tmp_path, monkeypatch):
 
 FIELDS = (
     "step reward masked_frac abs_r_minus_1 staleness stale failed padded dropped_groups traj_per_s idle_frac "
-    "loss grad_norm trajectories heldout_reward version"
+    "loss grad_norm trajectories heldout_reward version task_reward"
 ).split()
 
 
@@ -126,6 +126,7 @@ def test_sync_loop_end_to_end_writes_its_jsonl(loop):
         assert set(FIELDS) <= set(r), set(FIELDS) - set(r)
         assert r["staleness"] == {"0": 4} and r["trained"]  # sync: every token by the trainer's version
         assert set(r["heldout_reward"]) == {"coin:0"} and 0 <= r["heldout_reward"]["coin:0"] <= 1
+        assert r["task_reward"] == {"coin:0": r["reward"]}  # one task: its reward is the batch's
     assert all(srv.engine.version == 2 for srv, _ in servers)  # pushed after each step
 
 
