@@ -7,7 +7,8 @@ The verifier reads the final state (and the answer, where the task asks for one)
 following planted links, so claims, symlinks and FIFOs earn nothing. Levels 1 to 5: one to three of six
 families (count log lines, write a note, rename, sort, clean a cache, find a key), over more files as d
 grows. Toy level (0): one command (write a word into a file; count the lines of a file and answer), or
-two, the multi-turn family: list notes/, then read the one file there.
+two, the multi-turn family: list notes/, then read the one file there. The word to write and the file to
+count are made-up words new in almost every task, so a policy must copy them from the prompt.
 
 Run: python envs.py (one task per environment; python rollout.py plays them through the agent loop)
 Tests: python -m pytest -q tests/test_envs.py tests/test_sandbox.py
@@ -103,9 +104,18 @@ def term_find(rng, d):
 TERMINAL = [term_count, term_note, term_rename, term_sort, term_clean, term_find]
 
 
+SYLLABLES = "ka lo mi ra ve tu zen dor bel sha ni qu fa ro li ta mon gri sel vok".split()
+
+
+def fresh_word(rng):
+    """A made-up word ("velomi"), new in almost every task: a policy that gets it right copied it from the
+    prompt, as the search task's names must be copied, instead of recalling one of a few training words."""
+    return "".join(rng.choice(SYLLABLES) for _ in range(rng.randint(2, 3)))
+
+
 def term_write(rng, d):
     """Toy level, one command whose effect the verifier checks."""
-    word = rng.choice(WORDS)
+    word = fresh_word(rng)
     return (
         f"write the word {word} into out.txt",
         {},
@@ -116,11 +126,11 @@ def term_write(rng, d):
 
 def term_lines(rng, d):
     """Toy level, one command whose output is the answer."""
-    n = rng.randint(2, 9)
+    n, name = rng.randint(2, 9), fresh_word(rng)
     return (
-        "count the lines of list.txt and give the number in \\boxed{}",
-        {"list.txt": "".join(w + "\n" for w in rng.sample(WORDS, n))},
-        ["wc -l < list.txt"],
+        f"count the lines of {name}.txt and give the number in \\boxed{{}}",
+        {f"{name}.txt": "".join(w + "\n" for w in rng.sample(WORDS, n))},
+        [f"wc -l < {name}.txt"],
         lambda sb, answer: [b.strip() for b in boxed(answer)] == [str(n)],
     )
 

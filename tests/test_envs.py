@@ -638,6 +638,31 @@ def test_toy_level_is_short_solved_and_graded():
     assert seen >= {("math", 0), ("search", 1), ("terminal", 1), ("terminal", 2)}, seen
 
 
+def test_toy_terminal_words_are_fresh_so_held_out_tasks_need_copying():
+    """The word to write and the file to count are made up per task: many distinct ones, each family in both
+    splits, and no held-out word among the training tasks' (a policy must copy, not recall)."""
+    import env_terminal
+
+    rng = random.Random(0)
+    for family in (env_terminal.term_write, env_terminal.term_lines):
+        prompts = [family(rng, 0)[0] for _ in range(200)]
+        words = {re.search(r"(?:word|of) (\w+)", p).group(1) for p in prompts}
+        assert len(words) > 150, len(words)
+        splits = {p: envs.split_of(p) for p in prompts}
+        assert set(splits.values()) == {"train", "heldout"}
+    rng = random.Random(1)
+    train, held = set(), set()
+    for _ in range(300):
+        instruction = env_terminal.term_write(rng, 0)[0]
+        word = instruction.split()[3]  # "write the word <word> into out.txt"
+        prompt = "You are in /work. Please " + instruction + ". Say when you are done."  # as make_task writes
+        if envs.split_of(prompt) == "heldout":
+            held.add(word)
+        else:
+            train.add(word)
+    assert held and len(held - train) > 0.8 * len(held)
+
+
 def test_toy_math_answers_hold_independently():
     rng = random.Random(0)
     for _ in range(50):
