@@ -66,18 +66,19 @@ Run it:
     torchrun --nproc_per_node=2 rl_async.py configs/rl_toy.py      # the trainer on two ranks (FSDP2)
 Tests: python -m pytest -q tests/test_rl.py tests/test_rl_async.py
 
-Honest limits: configs/rl_toy.py's 60 steps on the toy chat and search tasks take held-out reward from
-0.72 to 0.92 (chat) and 0.55 to 0.73 (search), one run per mode, +-0.06 each (README: the RL section);
-the terminal task stays at 0 (the policy never learned the shell commands), so it is not in the mix;
-the RL rate is near its edge (twice it collapsed the toy run within 20 steps); under torchrun the trainer's
-step is checked against one process (tests/test_rl.py) and the loop was run by hand on two CPU ranks, not
-on GPUs, and the trainer computes in fp32 (no bf16 autocast); the learning rates, eps bands, K and tau
-are ours (GLM-5 does not publish its RL ones); rollout_timeout counts from a rollout's submission, its
-wait for a worker included; a timed-out rollout's thread cannot be killed (it holds its pool's worker
-until its HTTP timeout or its environment returns); a push goes to the replicas one after another, so for
-a moment they serve different versions (each token is tagged with its own, and the staleness filter sees
-it); the async/sync equality and exact resume hold with the replicas' prefix cache off and one rollout at a
-time per task (a cache hit, or another request in the same engine batch, moves a logprob by a few ulps).
+Honest limits: configs/rl_toy.py's 60 steps on the toy chat, search and terminal tasks took held-out
+search from 0.25 to 0.63 and terminal from 0.50 to 0.78 and left chat flat (0.63 -> 0.59), one async run,
++-0.06 each, 17 min on 2 cores (README: the RL section; two-task runs of both modes raised chat to
+0.83-0.94); the RL rate is near its edge (twice it collapsed a toy run within 20 steps); under torchrun
+the trainer's step is checked against one process (tests/test_rl.py) and the loop was run by hand on two
+CPU ranks, not on GPUs, and the trainer computes in fp32 (no bf16 autocast); the learning rates, eps
+bands, K and tau are ours (GLM-5 does not publish its RL ones); rollout_timeout counts from a rollout's
+submission, its wait for a worker included; a timed-out rollout's thread cannot be killed (it holds its
+pool's worker until its HTTP timeout or its environment returns); a push goes to the replicas one after
+another, so for a moment they serve different versions (each token is tagged with its own, and the
+staleness filter sees it); the async/sync equality and exact resume hold with the replicas' prefix cache
+off and one rollout at a time per task (a cache hit, or another request in the same engine batch, moves a
+logprob by a few ulps).
 """
 
 import ast
