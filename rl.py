@@ -439,14 +439,15 @@ def backward_batch(m, trajs, kind, teacher, temperature, world=1, rank=0, micro_
         rows = list(range(r, len(trajs), world))
         return [[rows[j] for j in mb] for mb in micro_batches([lengths[i] for i in rows], micro_tokens)]
 
-    mine = split(rank)
+    mine = [(rows, 1.0) for rows in split(rank)]  # (row indices, weight)
     if world > 1:  # the batch is the same on every rank, so each can count every rank's micro-batches
         most = max(len(split(r)) for r in range(world))
-        filler = (mine[0] if mine else [0])[:1]
-        mine = [(mb, 1.0) for mb in mine] + [(filler, 0.0)] * (most - len(mine))
-    else:
-        mine = [(mb, 1.0) for mb in mine]
-    total, sums = 0.0, Counter()
+        filler = [0]  # the batch's first row, when this rank has none
+        if mine:
+            filler = mine[0][0][:1]
+        mine += [(filler, 0.0)] * (most - len(mine))
+    total = 0.0  # the whole batch's loss
+    sums = Counter()  # tokens, and each statistic times its tokens
     for rows, weight in mine:
         part_teacher = teacher
         if teacher is not None and not isinstance(teacher, torch.nn.Module):
