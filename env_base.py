@@ -130,6 +130,15 @@ def show(result, cap=2000):
     return (text.rstrip() + "\n" + end).lstrip()
 
 
+SYLLABLES = "ka lo mi ra ve tu zen dor bel sha ni qu fa ro li ta mon gri sel vok".split()
+
+
+def made_up_word(rng):
+    """Two or three syllables ("velomi"): a word no corpus holds, so a policy that writes it back copied it
+    from its context (the search world's names, the toy terminal tasks' words and files)."""
+    return "".join(rng.choice(SYLLABLES) for _ in range(rng.randint(2, 3)))
+
+
 def call(name, **args):
     return {"type": "function", "function": {"name": name, "arguments": json.dumps(args)}}
 

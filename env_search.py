@@ -15,12 +15,11 @@ Honest limits: a generated world, not the web; the search engine is word overlap
 
 import re
 
-from env_base import Env, boxed, call
+from env_base import Env, boxed, call, made_up_word
 
 # -----------------------------------------------------------------------------
 # Search: an offline knowledge graph, multi-hop questions, search/open/find
 
-SYLLABLES = "ka lo mi ra ve tu zen dor bel sha ni qu fa ro li ta mon gri sel vok".split()
 # (relation, from type, to type, question phrase, sentence on the page of a, sentence on the page of b).
 # Every relation is a function (one birthplace, one founder...), so every chain of them has one answer.
 RELATIONS = [
@@ -75,9 +74,7 @@ def make_world(rng, d):
 
     def name(suffixes=("",)):
         while True:
-            n = "".join(rng.choice(SYLLABLES) for _ in range(rng.randint(2, 3))).capitalize() + rng.choice(
-                suffixes
-            )
+            n = made_up_word(rng).capitalize() + rng.choice(suffixes)
             if n not in used:
                 used.add(n)
                 return n

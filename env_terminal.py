@@ -16,7 +16,7 @@ Honest limits: small file chores, not Terminal-Bench; it needs bubblewrap (sandb
 without it.
 """
 
-from env_base import Env, boxed, call, show
+from env_base import Env, boxed, call, made_up_word, show
 from sandbox import Limits
 
 # -----------------------------------------------------------------------------
@@ -104,18 +104,9 @@ def term_find(rng, d):
 TERMINAL = [term_count, term_note, term_rename, term_sort, term_clean, term_find]
 
 
-SYLLABLES = "ka lo mi ra ve tu zen dor bel sha ni qu fa ro li ta mon gri sel vok".split()
-
-
-def fresh_word(rng):
-    """A made-up word ("velomi"), new in almost every task: a policy that gets it right copied it from the
-    prompt, as the search task's names must be copied, instead of recalling one of a few training words."""
-    return "".join(rng.choice(SYLLABLES) for _ in range(rng.randint(2, 3)))
-
-
 def term_write(rng, d):
     """Toy level, one command whose effect the verifier checks."""
-    word = fresh_word(rng)
+    word = made_up_word(rng)  # new in almost every task: copied, not recalled
     return (
         f"write the word {word} into out.txt",
         {},
@@ -126,7 +117,8 @@ def term_write(rng, d):
 
 def term_lines(rng, d):
     """Toy level, one command whose output is the answer."""
-    n, name = rng.randint(2, 9), fresh_word(rng)
+    n = rng.randint(2, 9)
+    name = made_up_word(rng)
     return (
         f"count the lines of {name}.txt and give the number in \\boxed{{}}",
         {f"{name}.txt": "".join(w + "\n" for w in rng.sample(WORDS, n))},

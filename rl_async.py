@@ -22,9 +22,9 @@ The loop, one code path with a `mode` switch:
 - the trainer: wait for groups_per_step finished groups, rl.filter_buffer against its own version (the steps
   taken), rl.rl_step (micro-batches of at most micro_tokens padded tokens), and every push_every steps
   save_pretrained + POST /update_weights_from_disk to every replica (version = step), with the optional
-  optimizer reset. mode "sync" keeps exactly one batch of groups
-  in flight, so generation and training alternate; mode "async" (the default) keeps up to (1 + ahead)
-  batches, so rollouts go on while the trainer steps, and tau bounds how stale they may be.
+  optimizer reset. mode "sync" keeps exactly one batch of groups in flight, so generation and training
+  alternate; mode "async" (the default) keeps up to (1 + ahead) batches, so rollouts go on while the
+  trainer steps, and tau bounds how stale they may be.
 - the stages, by `stage`: "reasoning" (GRPO + IcePop, rl.reasoning_loss, on math), "agentic" (direct
   double-sided importance sampling, rl.agentic_loss, on tool-using tasks), "general" (the same loss on
   rule-based rewards: format, length, language) and "distill" (on-policy cross-stage distillation: one
@@ -586,10 +586,14 @@ def main(argv):
     rank = int(os.environ.get("RANK", 0))
     log = print if rank == 0 else quiet
     log("settings:", json.dumps(cfg))
-    if cfg["init_from"] == TOY_POLICY and not os.path.exists(TOY_POLICY):
-        if world > 1:
-            raise SystemExit(f"no toy policy at {TOY_POLICY}: make it first with one process (no torchrun)")
-        ensure_toy_policy()
+    if cfg["init_from"] == TOY_POLICY:  # the workshop run's, under the repo root whatever the cwd
+        cfg["init_from"] = os.path.join(os.path.dirname(os.path.abspath(__file__)), TOY_POLICY)
+        if not os.path.exists(cfg["init_from"]):
+            if world > 1:
+                raise SystemExit(
+                    f"no toy policy at {TOY_POLICY}: make it first with one process (no torchrun)"
+                )
+            ensure_toy_policy()
     if not os.path.exists(cfg["init_from"]):
         raise SystemExit(
             f"no policy at {cfg['init_from']}; train one (README: the RL stages) or pass --init_from=PATH"

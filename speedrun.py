@@ -101,7 +101,7 @@ PRESETS = {
         "episodes": dict(per_env=400),
         # the episodes alone after the mixed SFT: the mixed stage reads about a fifth of its 2M tokens and
         # solves few toy tasks; 150 steps on the episodes (Muon 0.005, as the mixed SFT) took held-out
-        # general:0 to 0.72 (after the copy warm-up), 7 min on 2 cores
+        # general:0 to 0.63-0.72 and terminal:0 to 0.50, 4 min on 2 cores
         "sft_episodes": dict(
             max_iters=150, block_size=512, lr_muon=0.005, eval_interval=150, log_interval=25, sample_tokens=0
         ),
@@ -116,10 +116,8 @@ PRESETS = {
     # a GPU and configs/small.py: python speedrun.py --device cuda --config configs/small.py --preset gpu
     "gpu": {
         # not measured on small.py (a larger model may form induction from the corpus alone): the toy's
-        # rates, the ones at which it forms (at train.py's default 0.02 the toy does not, bench_copy.py)
-        "copy_warmup": dict(max_iters=1600, batch_size=32, block_size=64, copy_frac=1.0, decay_frac=0.0,
-                            lr_muon=0.005, lr_adamw=6e-3, mtp_weight_early=0.0, mtp_weight_late=0.0,
-                            eval_interval=400, sample_tokens=0),
+        # warm-up as measured, at the rates at which it forms (at train.py's 0.02 the toy's does not)
+        "copy_warmup": train_stages_tuned()["copy_warmup"],
         "pretrain": dict(max_iters=5000, batch_size=16, copy_frac=0.125, eval_interval=500, eval_iters=20,
                          sample_tokens=64),
         "dsa_warmup": dict(max_iters=500, batch_size=16, lr_adamw=5e-3, warmup_iters=20, eval_interval=250,

@@ -1,8 +1,9 @@
 """
 The speedrun's training settings, stage by stage, for the toy GLM-5 (configs/toy.py, architecture unchanged)
-on a 2-core CPU in about 35 minutes of training (copy warm-up, pretrain, DSA warm-up, sparse stage, SFT).
-Not a train.py config file: a speedrun reads STAGES and passes each stage's entries as --key=value after
-configs/toy.py, with --init_from the previous stage's ckpt.pt and an out_dir of its own:
+on a 2-core CPU in about 23 minutes of training (copy warm-up, pretrain, DSA warm-up, sparse stage, SFT),
+measured with nothing else running. Not a train.py config file: a speedrun reads STAGES and passes each
+stage's entries as --key=value after configs/toy.py, with --init_from the previous stage's ckpt.pt and an
+out_dir of its own:
 
     python train.py configs/toy.py --out_dir=RUN/pretrain --max_iters=2400 --lr_muon=0.005 ...
     python train.py configs/toy.py --stage=dsa_warmup --init_from=RUN/pretrain/ckpt.pt ...
@@ -35,10 +36,11 @@ Muon 0.04, the rate these runs used then):
   0.02). The sparse stage follows at pretraining's final lr (0.0005): val 2.89. SFT at 0.005 too: masked
   val loss 1.58 against 1.87 at train.py's 0.02 from the same sparse model, and the episodes policy it
   leads to starts RL at 0.69 held-out on general:0 against 0.58 (README: the RL section).
-- The copy warm-up: 1,600 steps of copy rows alone (9 min) form induction heads (the copy probe's second
-  copy at 70% top-1), and pretraining from there with one row in eight a copy row keeps them (97% top-1 at
-  step 2,400) for val 3.00 against 2.92 without; its sample reads as Python, and its SFT'd policy copies
-  names into its search calls (held-out search:0 0.55 against 0.16; README: the RL section).
+- The copy warm-up: 1,600 steps of copy rows alone (5 min on a quiet machine) form induction heads (the
+  copy probe's second copy at 68-70% top-1), and pretraining from there with one row in eight a copy row
+  keeps them (96-97% top-1 at step 2,400) for val 2.98-3.00 against 2.92 without; its sample is shaped like
+  Python, and its SFT'd policy copies names into its search calls (held-out search:0 0.25-0.55 against
+  0.16; README: the RL section).
 - Not taken: torch.compile (train.py's compile=True fails on a CPU: the fake of torch's grouped GEMM asks
   for bf16 in training, experts.py's custom op covers inference only); block_size 512 (fewer tokens/s,
   the attention's T^2); synthetic copy rows (train.py's copy_frac): a quarter of each batch as copy rows
