@@ -29,7 +29,8 @@ Serving benchmarks for engine.py, each measured side by side in one run on the s
                 2048 selected latents) against dense attention over all of them, with model.KVCache
                 (contiguous), paged_cache.PagedCache read in place (as the engine runs: the index keys scored
                 in the pool, only the selected latent rows read) and PagedCache gathering each history
-                (the reference path). Next to each time: the least the step must read (the weights, the
+                (the reference path), and PagedCache with index_quant "int8" (the index keys in int8 with
+                a scale per key, scored by one int8 GEMM: dsa.py, DeepSeek-V3.2's FP8 indexer). Next to each time: the least the step must read (the weights, the
                 index keys and the selected latents; dense: every latent) and the bound that sets at the
                 measured copy bandwidth, and the indexer's scores timed alone (one matmul, arithmetic the byte
                 bound does not count). The cache is filled with random latents: prefilling 64K tokens
@@ -57,6 +58,7 @@ import torch
 
 import engine
 import model as glm
+import dsa
 import paged_cache
 import sampling
 import weights
@@ -229,20 +231,27 @@ def bench_dsa(contexts, reps, dev, dtype):
             pages = -(-(S + 1) // 64)
             paged[in_place] = paged_cache.PagedCache(cfg, pages, 64, dev, dtype, in_place=in_place)
             paged[in_place].point(torch.arange(paged[in_place].num_pages, device=dev)[None], S + 1)
-        caches = {
-            "KVCache": glm.KVCache(cfg, 1, S + 1, device=dev, dtype=dtype),
-            "PagedCache": paged[True],
-            "paged, gathered": paged[False],  # the reference path: every row's history copied out per step
+        caches = {  # name: (cache, index_quant)
+            "KVCache": (glm.KVCache(cfg, 1, S + 1, device=dev, dtype=dtype), "none"),
+            "PagedCache": (paged[True], "none"),
+            "paged, gathered": (paged[False], "none"),  # the reference: every row's history copied per step
         }
-        # the least a step must read beyond the weights: DSA the index keys and the K selected latents,
-        # dense every latent
-        need = {"sparse": S * Di * size + K * (C + R) * size, "dense": S * (C + R) * size}
-        for name, cache in caches.items():
+        cfg.index_quant = "int8"  # the pool's index keys in int8 + a scale: allocated from the config
+        int8_pages = paged_cache.PagedCache(cfg, paged[True].num_pages, 64, dev, dtype)
+        int8_pages.point(torch.arange(int8_pages.num_pages, device=dev)[None], S + 1)
+        caches["PagedCache, int8 index"] = (int8_pages, "int8")
+        for name, (cache, index_quant) in caches.items():
+            m.config.index_quant = index_quant
+            # the least a step must read beyond the weights: DSA the index keys and the K selected latents,
+            # dense every latent
+            index_bytes = cache.index_k.shape[-1] * cache.index_k.element_size()
+            need = {"sparse": S * index_bytes + K * (C + R) * size, "dense": S * (C + R) * size}
             g = torch.Generator(device=dev).manual_seed(S)
             kv = cache.kv.view(1, -1, cache.kv.shape[-1])  # every cache as one row of tokens
             ik = cache.index_k.view(1, -1, cache.index_k.shape[-1])
             kv[:, :S] = torch.randn(1, S, kv.shape[-1], generator=g, device=dev, dtype=dtype)
-            ik[:, :S] = torch.randn(1, S, ik.shape[-1], generator=g, device=dev, dtype=dtype)
+            keys = torch.randn(1, S, Di, generator=g, device=dev, dtype=dtype)
+            ik[:, :S] = dsa.to_index_cache(keys, ik.dtype)
             ids = torch.tensor([[5]], device=dev)
             t = {}
             for mode in ("sparse", "dense"):
@@ -256,7 +265,7 @@ def bench_dsa(contexts, reps, dev, dtype):
             rows.append((S, name, t["sparse"], t["dense"], bound["sparse"]))
             ms = {k: v * 1e3 for k, v in t.items()}
             print(
-                f"{S:>7} tokens, {name:<15}: DSA {ms['sparse']:7.1f} ms (reads >= "
+                f"{S:>7} tokens, {name:<22}: DSA {ms['sparse']:7.1f} ms (reads >= "
                 f"{need['sparse'] / 1e6:5.1f} MB + weights: bound {bound['sparse'] * 1e3:5.1f} ms, "
                 f"{t['sparse'] / bound['sparse']:.2f}x it), dense {ms['dense']:7.1f} ms (>= "
                 f"{need['dense'] / 1e6:5.1f} MB + weights, {t['dense'] / bound['dense']:.2f}x its bound); "
@@ -275,8 +284,17 @@ def bench_dsa(contexts, reps, dev, dtype):
             "byte bound does not count",
             flush=True,
         )
-        del caches, paged
+        if dev == "cpu":  # the same matmul as index_quant "int8" runs it: one int8 GEMM, int32 out
+            q8, k8 = dsa.quantize_int8(q)[0], dsa.quantize_int8(keys)[0]
+            score8 = statistics.median(timed(lambda: torch._int_mm(q8, k8.T), dev)[1] for _ in range(reps))
+            print(
+                f"{S:>7} tokens: in int8 the scores take {score8 * 1e3:.1f} ms; weights + scores = "
+                f"{(weight_bytes / bw + score8) * 1e3:.1f} ms",
+                flush=True,
+            )
+        del caches, paged, int8_pages
     m.config.dsa_mode = "sparse"
+    m.config.index_quant = "none"
     return rows
 
 

@@ -95,6 +95,78 @@ def index_scores(q, w, k_all, softmax_scale):
         return torch.einsum("bths,bth->bts", relu(dots), w * softmax_scale)
 
 
+# -----------------------------------------------------------------------------
+# The indexer in 8 bits. DeepSeek-V3.2's report (section 2.1) notes the indexer "can be implemented in FP8",
+# and its released inference code quantizes q and k in blocks of 128 with one scale each, folding q's scale
+# into the head weights and applying k's after the head sum. ModelConfig.index_quant = "int8" does the same
+# with int8 (a CPU has int8 matrix instructions, not FP8 ones): the selection (index_topk) in every path
+# scores quantized q and k, and a cache stores each key as 128 int8 values and its fp32 scale's 4 bytes, the
+# layout vLLM's DSA indexer cache uses for its FP8 keys. The indexer KL still trains on the float scores.
+
+SCALE_BYTES = 4  # a packed key ends with its fp32 scale, as 4 int8 bytes
+
+
+def quantize_int8(t):
+    """(..., Di) float -> (..., Di) int8 and (...) fp32 scale, t ~= int8 * scale: symmetric, one absmax scale
+    per Di-value block (Di = 128, DeepSeek-V3.2's block)."""
+    t = t.float()
+    scale = t.abs().amax(-1).clamp_min(1e-12) / 127
+    return torch.round(t / scale[..., None]).to(torch.int8), scale
+
+
+def pack_index_keys(k):
+    """(..., Di) float keys -> (..., Di + 4) int8: each key's int8 values, then its scale's 4 bytes."""
+    k_int, scale = quantize_int8(k)
+    return torch.cat([k_int, scale[..., None].view(torch.int8)], dim=-1)
+
+
+def unpack_index_keys(packed):
+    """(..., Di + 4) int8 -> the keys' (..., Di) int8 values and their (...) fp32 scales."""
+    return packed[..., :-SCALE_BYTES], packed[..., -SCALE_BYTES:].contiguous().view(torch.float32)[..., 0]
+
+
+def dequantize_index_keys(packed):
+    """(..., Di + 4) packed keys -> (..., Di) fp32 keys as the quantized scores see them (for the KL)."""
+    k_int, scale = unpack_index_keys(packed)
+    return k_int.float() * scale[..., None]
+
+
+def index_cache_layout(index_quant, index_head_dim, dtype):
+    """What a cache stores per token for the indexer key: (width, dtype)."""
+    if index_quant == "int8":
+        return index_head_dim + SCALE_BYTES, torch.int8
+    return index_head_dim, dtype
+
+
+def to_index_cache(index_k, cache_dtype):
+    """This step's (..., Di) float keys in a cache's format: packed int8 or the cache's float dtype."""
+    if cache_dtype == torch.int8:
+        return pack_index_keys(index_k)
+    return index_k.to(cache_dtype)
+
+
+def quantized_index_scores(q, w, packed_k, softmax_scale):
+    """index_scores from int8 q and k -> (B, T, S) fp32; packed_k (B, S, Di + 4), or (S, Di + 4) keys shared
+    by every row (a page pool read in place).
+
+        I[t, s] = k_scale[s] * sum_j (w[t, j] q_scale[t, j] scale) ReLU(q_int[t, j] . k_int[s])
+
+    (the scales are > 0, so they move out of the ReLU). Each dot product is an exact integer
+    (|.| <= 127^2 x 128 < 2^24, so fp32 holds every partial sum exactly): the int8 GEMM a CPU runs for a pool
+    and the fp32 einsum elsewhere give the same bits, whatever the batch or the order of the sum."""
+    B, T, Hi, Di = q.shape
+    k_int, k_scale = unpack_index_keys(packed_k)  # (B, S, Di) or (S, Di); (B, S) or (S,)
+    q_int, q_scale = quantize_int8(q)  # (B, T, Hi, Di), (B, T, Hi)
+    with torch.autocast(q.device.type, enabled=False):
+        if k_int.dim() == 2 and q.device.type == "cpu":  # one int8 GEMM (VNNI / AMX where the CPU has it)
+            dots = torch._int_mm(q_int.reshape(-1, Di), k_int.t()).relu_().float().view(B, T, Hi, -1)
+        else:
+            pattern = "bthd,bsd->bths" if k_int.dim() == 3 else "bthd,sd->bths"
+            dots = torch.einsum(pattern, q_int.float(), k_int.float()).relu_()  # (B, T, Hi, S)
+        I = torch.einsum("bths,bth->bts", dots, w.float() * q_scale * softmax_scale)
+        return I * k_scale.unsqueeze(-2)  # (B, T, S)
+
+
 def relu(dots):
     """ReLU of the indexer's dot products, in place when no gradient is taken. The scale > 0 goes on the
     head weights instead, w_j ReLU(s x) = (s w_j) ReLU(x): at 64K keys the (Hi, S) tensor is 8 MB, and each
@@ -165,19 +237,30 @@ def index_topk(q, w, k_all, last, topk, softmax_scale, rows=None):
     rows (B, S): the keys live in a page pool, k_all (N, Di), and position s of row b is pool row
     rows[b, s]; the scores are taken over the pool in place (no copy of any row's keys), put back in
     position order (S floats per query, for the tie-breaking) and idx is returned as pool rows.
+    k_all may be packed int8 keys (..., Di + 4) (ModelConfig.index_quant "int8"): then the scores are
+    quantized_index_scores, in torch on every device.
     The scores run as a Triton kernel where kernels.use_triton says so, else in torch; the selection is
     discrete, so no gradient flows through it (the KL trains the indexer, from selected_index_scores)."""
     B, T = q.shape[:2]
     last = last.expand(B, T)
     S = k_all.shape[1] if rows is None else rows.shape[1]
-    in_pool = rows is not None and not kernels.use_triton(q)
+    quantized = k_all.dtype == torch.int8  # packed int8 keys (index_quant "int8"): scored in torch
+    triton = kernels.use_triton(q) and not quantized
+    in_pool = rows is not None and not triton
     if rows is not None and not in_pool:  # the kernel takes one key row per position: gather them
         k_all = k_all[rows]  # (B, S, Di)
     with torch.no_grad():
         if in_pool:
-            I = index_scores(q, w, k_all, softmax_scale)  # (B, T, N) over the whole pool
+            if quantized:
+                I = quantized_index_scores(q, w, k_all, softmax_scale)  # (B, T, N) over the whole pool
+            else:
+                I = index_scores(q, w, k_all, softmax_scale)  # (B, T, N) over the whole pool
             I = I.gather(-1, rows[:, None, :].expand(B, T, S))  # (B, T, S) in position order
-        elif kernels.use_triton(q):
+        elif quantized:
+            I = quantized_index_scores(q, w, k_all, softmax_scale)
+            visible = torch.arange(S, device=q.device) <= last[..., None]  # (B, T, S)
+            I = I.masked_fill(~visible, float("-inf"))
+        elif triton:
             I = kernels.index_scores(q, w, k_all, last, softmax_scale)  # (B, T, S), fused causal mask
         else:
             I = causal_index_scores(q, w, k_all, last, softmax_scale)

@@ -90,6 +90,9 @@ class ModelConfig:
     # --- nanoGLM knobs, not in the published config.json ---
     num_mtp_steps: int = 3  # times the MTP block is applied in training (shared weights)
     dsa_mode: str = "sparse"  # "sparse": DSA top-k attention; "dense": full causal attention (pretraining)
+    # "int8": the DSA selection scores int8 q and k, and caches store the index keys in int8 with a scale
+    # (dsa.py: the indexer in 8 bits, DeepSeek-V3.2's FP8 indexer on integer hardware); "none": float
+    index_quant: str = "none"
 
     def __post_init__(self):
         def need(ok, msg):
@@ -154,6 +157,10 @@ class ModelConfig:
         need(
             self.dsa_mode in ("sparse", "dense"),
             f"dsa_mode must be 'sparse' or 'dense', got {self.dsa_mode!r}",
+        )
+        need(
+            self.index_quant in ("none", "int8"),
+            f"index_quant must be 'none' or 'int8', got {self.index_quant!r}",
         )
 
     @property
@@ -310,7 +317,10 @@ class MLA(nn.Module):
             raise ValueError(f"MLA form must be 'naive' or 'absorb', got {form!r}")
         if select:  # idx: positions, or pool rows when reading a pool in place
             scale = self.indexer.softmax_scale
-            idx, valid = dsa.index_topk(iq, iw, index_k_all, last, c.index_topk, scale, rows)  # (B, T, K)
+            keys = index_k_all
+            if c.index_quant == "int8" and keys.dtype != torch.int8:  # fresh keys: packed as a cache packs
+                keys = dsa.pack_index_keys(keys)  # (B, S, Di + 4) int8
+            idx, valid = dsa.index_topk(iq, iw, keys, last, c.index_topk, scale, rows)  # (B, T, K)
 
         if form == "naive":
             mask = dsa.selection_mask(idx, valid, S) if select else visible  # (B or 1, T, S)
@@ -337,6 +347,8 @@ class MLA(nn.Module):
 
         # the indexer KL: the main attention's distribution (summed over heads) against the indexer's,
         # over the keys this attention saw (dense warm-up: every visible key; sparse stage: the selection)
+        if index_k_all.dtype == torch.int8:  # an int8 cache's history: the keys as the selection saw them
+            index_k_all = dsa.dequantize_index_keys(index_k_all)
         if select and form == "absorb":  # over the K selected keys, target rebuilt from the lse
             target = dsa.sparse_mla_target(q_abs, q_pe, latent_all, idx, valid, lse, self.softmax_scale)
             scores = dsa.selected_index_scores(iq, iw, index_k_all, idx, self.indexer.softmax_scale)
@@ -504,7 +516,8 @@ class KVCache:
         self.kv = torch.zeros(
             L, batch_size, max_seq_len, cfg.kv_lora_rank + cfg.qk_rope_head_dim, device=device, dtype=dtype
         )
-        self.index_k = torch.zeros(L, batch_size, max_seq_len, cfg.index_head_dim, device=device, dtype=dtype)
+        width, index_dtype = dsa.index_cache_layout(cfg.index_quant, cfg.index_head_dim, dtype)
+        self.index_k = torch.zeros(L, batch_size, max_seq_len, width, device=device, dtype=index_dtype)
         self.length = None  # the furthest position of this forward + 1
 
     def write(self, layer_id, positions, latent, index_k):
@@ -528,7 +541,7 @@ class KVCache:
             )
         rows = torch.arange(positions.shape[0], device=positions.device)[:, None]
         self.kv[layer_id][rows, positions] = latent.to(self.kv.dtype)
-        self.index_k[layer_id][rows, positions] = index_k.to(self.index_k.dtype)
+        self.index_k[layer_id][rows, positions] = dsa.to_index_cache(index_k, self.index_k.dtype)
         return self.kv[layer_id][: len(rows), :S], self.index_k[layer_id][: len(rows), :S]
 
 

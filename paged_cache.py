@@ -33,6 +33,8 @@ import json
 
 import torch
 
+import dsa
+
 
 class PagedCache:
     """Pages of `page_size` tokens, per layer (main layers, then MTP): the latent [c_kv | k_pe] and the
@@ -47,9 +49,9 @@ class PagedCache:
         self.scratch = num_pages  # one extra page, never handed out: padded rows write their padding here
         latent = cfg.kv_lora_rank + cfg.qk_rope_head_dim
         self.kv = torch.zeros(L, num_pages + 1, page_size, latent, device=device, dtype=dtype)
-        self.index_k = torch.zeros(
-            L, num_pages + 1, page_size, cfg.index_head_dim, device=device, dtype=dtype
-        )
+        # the indexer key: index_head_dim floats, or with index_quant "int8" its int8 values and scale
+        width, index_dtype = dsa.index_cache_layout(cfg.index_quant, cfg.index_head_dim, dtype)
+        self.index_k = torch.zeros(L, num_pages + 1, page_size, width, device=device, dtype=index_dtype)
         self.free = list(range(num_pages - 1, -1, -1))  # a stack: pop() gives the lowest id first
         self.ref = [0] * num_pages  # how many requests use each page
         self.cached = collections.OrderedDict()  # prefix hash -> page id, least recently used first
@@ -88,7 +90,8 @@ class PagedCache:
         pages = self.tables.gather(1, positions // P)  # (B, T)
         slots = (pages * P + positions % P).flatten()  # (B * T,)
         kv_pool.index_copy_(0, slots, latent.reshape(-1, C).to(self.kv.dtype))
-        index_pool.index_copy_(0, slots, index_k.reshape(-1, Di).to(self.index_k.dtype))
+        index_k = dsa.to_index_cache(index_k, self.index_k.dtype)  # (B, T, Di) float or (B, T, Di + 4) int8
+        index_pool.index_copy_(0, slots, index_k.reshape(-1, Di))
         if self.rows is not None:
             return kv_pool, index_pool
         S = self.length

@@ -38,6 +38,7 @@ Run it:
     python serve.py --ckpt out/ckpt.pt --port 8000       # a train.py checkpoint or a save_pretrained dir
     python serve.py --ckpt out/ckpt.pt --spec 3          # with MTP speculative decoding, 3 drafts per step
     python serve.py --ckpt out/ckpt.pt --compile         # the decode step through torch.compile
+    python serve.py --ckpt out/ckpt.pt --index_quant int8   # the DSA indexer in int8 (dsa.py)
     python serve.py --ckpt out_sft/ckpt.pt --chat        # terminal chat, thinking shown dimmed
     python serve.py --ckpt /tmp/q/w4a8                   # a W4A8 / W8A8 directory written by quantize.py
 (Chat with the SFT checkpoint: a pretrained-only one continues text and never learned the chat format.
@@ -626,6 +627,13 @@ def main(argv=None):
     arg("--spec", type=int, default=0, help="MTP speculative decoding: draft this many tokens (0: off)")
     arg("--no_prefix_cache", action="store_true")
     arg(
+        "--index_quant",
+        choices=["none", "int8"],
+        default=None,
+        help="int8: the DSA indexer scores int8 q and k and the cache keeps its keys in int8 (dsa.py); "
+        "default: the checkpoint's setting (float)",
+    )
+    arg(
         "--compile",
         action="store_true",
         help="run the decode step through torch.compile, batches padded to powers of two (engine.py)",
@@ -650,6 +658,8 @@ def main(argv=None):
         tok = load_tokenizer(a.tokenizer, a.ckpt, m.config.vocab_size)
     except (FileNotFoundError, ValueError, RuntimeError) as e:
         sys.exit(f"serve.py: {e}")
+    if a.index_quant:
+        m.config.index_quant = a.index_quant  # before the Engine, whose cache takes its layout from it
     eng = Engine(
         m,
         tok,

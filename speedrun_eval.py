@@ -10,6 +10,7 @@ as one JSON file the report card reads (speedrun_report.py):
   index_topk positions (a sliding window, which cannot see the passkey). Reported: the answer's log-prob,
   greedy accuracy, the log-prob gain over a control whose passkey line holds another number (what the
   model took from the passkey at all), and how often the indexer's top-k holds the passkey's positions.
+  Both again with the selection scored in int8 (ModelConfig.index_quant, the serving engine's option).
 - quant: checkpoint bytes and val perplexity of BF16, W8A8 and W4A8 with rotation (bench_quant.py's
   val_loss and bytes_per_token, on quantize.py's checkpoints from the run).
 - serve: every stage's checkpoint through engine.Engine (greedy tokens/s at one batch, a sample; the chat
@@ -215,6 +216,9 @@ def part_dsa(run_dir, s, dev):
         set_dsa_mode(sparse, "sparse")
         with Selection("window"):
             out["val_sparse_window"] = bench_quant.val_loss(sparse, batches)
+        sparse.config.index_quant = "int8"  # the selection from int8 q and k, as serving can run it
+        out["val_sparse_int8_index"] = bench_quant.val_loss(sparse, batches)
+        sparse.config.index_quant = "none"
     tok = get_tokenizer(4096, cache_dir=os.path.join(HERE, "data"), verbose=False)
     probes = make_probes(tok, s["probes"], s["probe_len"])
     out["probe"] = {
@@ -229,6 +233,9 @@ def part_dsa(run_dir, s, dev):
         "DSA (sparse model, indexer top-k)": run_probe(sparse, probes, "dsa", dev),
         "window (sparse model, last-k)": run_probe(sparse, probes, "window", dev),
     }
+    sparse.config.index_quant = "int8"
+    out["probe"]["DSA, int8 indexer (sparse model, index_quant)"] = run_probe(sparse, probes, "dsa", dev)
+    sparse.config.index_quant = "none"
     return out
 
 

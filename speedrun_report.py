@@ -227,8 +227,14 @@ def section_dsa(run_dir, failed):
             f"so the "
             f"top-k selection itself costs {r['val_sparse'] - r['val_sparse_as_dense']:+.4f}); "
             f"the sparse model with a {k}-token sliding window "
-            f"in place of top-k {r['val_sparse_window']:.4f}\n"
+            f"in place of top-k {r['val_sparse_window']:.4f}"
         )
+        if "val_sparse_int8_index" in r:  # runs before the int8 indexer lack it
+            out.append(
+                f"; the sparse model selecting from int8 index scores (index_quant, the CPU's analogue of "
+                f"DeepSeek-V3.2's FP8 indexer) {r['val_sparse_int8_index']:.4f}"
+            )
+        out.append("\n")
         p = r["probe"]
         reach = "cannot see the passkey at all"
         if p["window_reach"] >= p["passkey_distance"]:

@@ -82,6 +82,48 @@ def test_index_topk_over_a_page_pool_equals_the_gathered_history():
     assert torch.equal(pvalid, valid) and torch.equal(pidx, rows.gather(1, idx.flatten(1)).view_as(idx))
 
 
+def test_int8_index_keys_pack_their_scale_exactly():
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(3, 5, 16, generator=g) * torch.rand(3, 5, 1, generator=g)
+    packed = dsa.pack_index_keys(k)
+    assert packed.dtype == torch.int8 and packed.shape == (3, 5, 16 + dsa.SCALE_BYTES)
+    k_int, scale = dsa.unpack_index_keys(packed)
+    assert torch.equal(scale, k.abs().amax(-1) / 127)  # the fp32 scale's bits survive the int8 bytes
+    assert k_int.abs().max() == 127
+    err = (dsa.dequantize_index_keys(packed) - k).abs()
+    assert (err <= scale[..., None] / 2 + 1e-7).all()  # rounding to the nearest step of the scale
+
+
+def test_int8_index_scores_are_the_same_bits_on_every_path_and_near_the_float_scores():
+    """The int8 GEMM over a pool (CPU), the fp32 einsum over gathered rows and a float64 sum by hand give
+    the same scores, bit for bit: the dot products are exact integers. They stay near the float scores,
+    and the selection over the pool equals the selection over the gathered history."""
+    g = torch.Generator().manual_seed(2)
+    B, T, Hi, D, S, P = 2, 3, 4, 32, 40, 4
+    pool = torch.randn(64, D, generator=g)
+    pages = torch.stack([torch.randperm(16, generator=g)[: S // P] for _ in range(B)])
+    s = torch.arange(S)
+    rows = pages[:, s // P] * P + s % P  # (B, S)
+    q, w = torch.randn(B, T, Hi, D, generator=g), torch.randn(B, T, Hi, generator=g)
+    packed = dsa.pack_index_keys(pool)  # (64, D + 4)
+    in_pool = dsa.quantized_index_scores(q, w, packed, 0.3)  # (B, T, 64) over the pool, one int8 GEMM
+    in_pool = in_pool.gather(-1, rows[:, None, :].expand(B, T, S))  # (B, T, S) in position order
+    gathered = dsa.quantized_index_scores(q, w, packed[rows], 0.3)  # (B, T, S)
+    assert torch.equal(in_pool, gathered)
+    q_int, q_scale = dsa.quantize_int8(q)
+    k_int, k_scale = dsa.unpack_index_keys(packed[rows])
+    dots = torch.einsum("bthd,bsd->bths", q_int.double(), k_int.double()).relu()
+    by_hand = torch.einsum("bths,bth->bts", dots, (w * q_scale * 0.3).double()) * k_scale.double()[:, None]
+    torch.testing.assert_close(gathered.double(), by_hand, rtol=1e-6, atol=0)
+    exact = dsa.index_scores(q, w, pool[rows], 0.3)
+    assert (gathered - exact).abs().max() < 0.03 * exact.abs().max()
+    last = torch.tensor([[20, 30, 39], [5, 6, 7]])
+    idx, valid = dsa.index_topk(q, w, packed[rows], last, 6, 0.3)
+    pidx, pvalid = dsa.index_topk(q, w, packed, last, 6, 0.3, rows)
+    assert torch.equal(pvalid, valid) and torch.equal(pidx, rows.gather(1, idx.flatten(1)).view_as(idx))
+    assert (idx <= last[..., None]).all()  # the causal mask holds for quantized scores too
+
+
 def test_gather_rows_equals_indexing_per_row_and_from_a_shared_pool():
     # the fast path (index_select over flattened rows) against the reference (two index tensors)
     B, S, T, K, F = 3, 11, 2, 5, 7

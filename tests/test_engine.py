@@ -39,16 +39,23 @@ def one_thread():
     torch.set_num_threads(n)
 
 
-def make_engine(ckpt, **kw):
-    return engine.Engine(engine.load_model(ckpt[0]), ckpt[1], **{"num_pages": 64, "page_size": 4, **kw})
+def make_engine(ckpt, index_quant="none", **kw):
+    m = engine.load_model(ckpt[0])
+    m.config.index_quant = index_quant  # before the Engine: its PagedCache takes the index key layout from it
+    return engine.Engine(m, ckpt[1], **{"num_pages": 64, "page_size": 4, **kw})
 
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [5, 6, 7], list(range(40, 58)), [200, 3, 3, 3, 9, 100, 42]]
 GREEDY = sampling.SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
 
 
-def test_batched_equals_alone_equals_full_forward(ckpt, one_thread):
-    eng = make_engine(ckpt)
+@pytest.mark.parametrize("index_quant", ["none", "int8"])
+def test_batched_equals_alone_equals_full_forward(ckpt, one_thread, index_quant):
+    """With index_quant "int8" the cache stores packed int8 index keys and the full forward packs its fresh
+    keys the same way: the selections, and so the tokens, still agree."""
+    eng = make_engine(ckpt, index_quant)
+    if index_quant == "int8":
+        assert eng.cache.index_k.dtype == torch.int8 and eng.cache.index_k.shape[-1] == 12 + 4
     alone = [eng.generate([p], GREEDY)[0].out for p in PROMPTS]
     batched = eng.generate(PROMPTS, GREEDY)
     assert [r.out for r in batched] == alone
@@ -91,8 +98,8 @@ def test_batched_chunked_prefill_with_prefix_hits_equals_alone(ckpt, one_thread,
     assert eng.cache.available() == eng.cache.num_pages
 
 
-@pytest.mark.parametrize("mode", ["sparse", "dense"])
-def test_attention_over_the_page_pool_in_place_equals_the_gathered_history(ckpt, one_thread, mode):
+@pytest.mark.parametrize("mode,index_quant", [("sparse", "none"), ("dense", "none"), ("sparse", "int8")])
+def test_attention_over_the_page_pool_in_place_equals_the_gathered_history(ckpt, one_thread, mode, index_quant):
     """A pool at most twice the history is read in place (each position's pool row, pages handed out
     out of order) instead of gathered per row: DSA's index keys and selected latents, and dense
     attention's every latent. Greedy outputs and logprobs equal the gathering reference path."""
@@ -101,7 +108,7 @@ def test_attention_over_the_page_pool_in_place_equals_the_gathered_history(ckpt,
     out = {}
     for in_place in (True, False):
         # 19 pages + the scratch page = 80 slots: gathered while the longest history is under 40 tokens
-        eng = make_engine(ckpt, num_pages=19, in_place=in_place, prefix_cache=False)
+        eng = make_engine(ckpt, index_quant, num_pages=19, in_place=in_place, prefix_cache=False)
         eng.model.config.dsa_mode = mode
         eng.cache.free = [5, 17, 2, 11, 0, 8, 14, 3, 9, 15, 1, 6, 12, 18, 4, 10, 16, 7, 13]  # out of order
         seen = []
