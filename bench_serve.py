@@ -226,6 +226,7 @@ def bench_dsa(contexts, reps, dev, dtype):
     )
     rows = []
     for S in contexts:
+        cfg.index_quant = "none"  # the float caches first (each cache takes its index key layout from cfg)
         paged = {}
         for in_place in (True, False):
             pages = -(-(S + 1) // 64)

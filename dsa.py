@@ -116,13 +116,15 @@ def quantize_int8(t):
 
 def pack_index_keys(k):
     """(..., Di) float keys -> (..., Di + 4) int8: each key's int8 values, then its scale's 4 bytes."""
+    index_cache_layout("int8", k.shape[-1], k.dtype)  # Di must be a multiple of 4
     k_int, scale = quantize_int8(k)
     return torch.cat([k_int, scale[..., None].view(torch.int8)], dim=-1)
 
 
 def unpack_index_keys(packed):
-    """(..., Di + 4) int8 -> the keys' (..., Di) int8 values and their (...) fp32 scales."""
-    return packed[..., :-SCALE_BYTES], packed[..., -SCALE_BYTES:].contiguous().view(torch.float32)[..., 0]
+    """(..., Di + 4) int8 -> the keys' (..., Di) int8 values and their (...) fp32 scales, both views: with
+    Di a multiple of 4 (index_cache_layout checks) each row is whole 4-byte words, the scale the last."""
+    return packed[..., :-SCALE_BYTES], packed.view(torch.float32)[..., -1]
 
 
 def dequantize_index_keys(packed):
@@ -134,6 +136,11 @@ def dequantize_index_keys(packed):
 def index_cache_layout(index_quant, index_head_dim, dtype):
     """What a cache stores per token for the indexer key: (width, dtype)."""
     if index_quant == "int8":
+        if index_head_dim % SCALE_BYTES:
+            raise ValueError(
+                f"index_quant 'int8' packs each key with its 4-byte scale and needs index_head_dim divisible "
+                f"by 4, got {index_head_dim}; use index_quant 'none'"
+            )
         return index_head_dim + SCALE_BYTES, torch.int8
     return index_head_dim, dtype
 

@@ -92,6 +92,8 @@ def test_int8_index_keys_pack_their_scale_exactly():
     assert k_int.abs().max() == 127
     err = (dsa.dequantize_index_keys(packed) - k).abs()
     assert (err <= scale[..., None] / 2 + 1e-7).all()  # rounding to the nearest step of the scale
+    with pytest.raises(ValueError, match="divisible by 4"):  # the scale must sit in the row's last word
+        dsa.pack_index_keys(torch.randn(3, 10))
 
 
 def test_int8_index_scores_are_the_same_bits_on_every_path_and_near_the_float_scores():
