@@ -19,7 +19,7 @@ config.json), in one file:
 - MTP (GLM-5 report, section 2): enorm/hnorm/eh_proj -> a full decoder layer -> shared_head.norm ->
   the shared lm_head, one block applied num_mtp_steps times.
 - Incremental decoding over a cache holding only [c_kv | k_pe] (512 + 64 values) and the 128-d
-  indexer key per token per layer.
+  indexer key per token per layer (with index_quant "int8": 128 int8 values and a 4-byte scale, dsa.py).
 The checkpoint format (config.json, safetensors, the released names) is weights.py's.
 
 Run it:
