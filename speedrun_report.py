@@ -490,7 +490,7 @@ def draw_plots(run_dir):
         written.append("loss_curves.png")
     rl = rl_summary(run_dir)
     if rl["reward_curve"]:
-        fig, ax = plt.subplots(figsize=(5, 3.2))
+        fig, ax = plt.subplots(figsize=(7, 3.2))
         ax.plot(*zip(*rl["reward_curve"]), label="training groups")
         tasks = rl["eval_curve"][0][1].keys() if rl["eval_curve"] else []
         for task in tasks:
@@ -503,7 +503,7 @@ def draw_plots(run_dir):
         ax.set_xlabel("trainer step")
         ax.set_ylabel("reward")
         ax.set_title("RL reward")
-        ax.legend()
+        ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1), fontsize="small")  # beside the curves
         fig.tight_layout()
         fig.savefig(os.path.join(run_dir, "rl_reward.png"), dpi=90)
         plt.close(fig)
