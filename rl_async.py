@@ -66,10 +66,10 @@ Run it:
     torchrun --nproc_per_node=2 rl_async.py configs/rl_toy.py      # the trainer on two ranks (FSDP2)
 Tests: python -m pytest -q tests/test_rl.py tests/test_rl_async.py
 
-Honest limits: configs/rl_toy.py's 60 steps on the toy chat, search and terminal tasks took held-out
-search from 0.25 to 0.63 and terminal from 0.50 to 0.78 and left chat flat (0.63 -> 0.59), one async run,
-+-0.06 each, 17 min on 2 cores (README: the RL section; two-task runs of both modes raised chat to
-0.83-0.94); the RL rate is near its edge (twice it collapsed a toy run within 20 steps); under torchrun
+Honest limits: configs/rl_toy.py's 50 steps on the toy chat, search and terminal tasks took held-out
+search from 0.25 to 0.42 (0.53 at step 30) and terminal from 0.50 to 0.63 and left chat flat, +-0.06 each,
+14 min on 2 cores; 60-step runs of both modes reached 0.63-0.67 and 0.77-0.78 in 17 min (README: the RL
+section); the RL rate is near its edge (1.5x was unstable, twice collapsed a toy run); under torchrun
 the trainer's step is checked against one process (tests/test_rl.py) and the loop was run by hand on two
 CPU ranks, not on GPUs, and the trainer computes in fp32 (no bf16 autocast); the learning rates, eps
 bands, K and tau are ours (GLM-5 does not publish its RL ones); rollout_timeout counts from a rollout's

@@ -22,7 +22,7 @@ is rewritten after every stage. The tokenized corpus is the one shared cache out
 README's two commands make it).
 
 Run it:
-    python speedrun.py                               # the workshop run, 2-core CPU (--preset cpu): ~40 min
+    python speedrun.py                               # the workshop run, 2-core CPU (--preset cpu): ~37 min
     python speedrun.py --preset tiny --run tiny      # a few steps per stage: the plumbing in about a minute
     python speedrun.py --device cuda --config configs/small.py --preset gpu --run small
     python speedrun.py --set pretrain.max_iters=300 --set rl.max_steps=10   # any stage setting, per run
@@ -91,7 +91,7 @@ PRESETS = {
         "eval": dict(val_batches=1, val_block=128, probes=2, probe_len=128, serve_prompts=2, new_tokens=8,
                      mtp_drafts=2, cache_groups=1, cache_max_tokens=4, quant_batches=1),
     },
-    # the workshop run: 40 minutes on a quiet 2-core CPU, 17 of them RL. The train stages' settings
+    # the workshop run: 37 minutes on a quiet 2-core CPU, 14 of them RL. The train stages' settings
     # are the toy tuning's, read from configs/speedrun_stages.py (its docstring says what was measured): the
     # copy warm-up, Muon at 0.005, the WSD decay over the last third, and the MTP loss off for most of
     # pretraining and the sparse stage, where its three extra block passes cost a third to a half of a step
