@@ -111,7 +111,7 @@ PRESETS = {
         # probe_len 384: the passkey sits farther back than a 64-key window reaches through 4 layers (252);
         # mtp_drafts 4: the report's accept length is measured with 4 speculative steps
         "eval": dict(val_batches=8, val_block=256, probes=32, probe_len=384, serve_prompts=8, new_tokens=32,
-                     mtp_drafts=4, cache_groups=2, cache_max_tokens=16, quant_batches=8),
+                     mtp_drafts=4, cache_groups=8, cache_max_tokens=16, quant_batches=8),
     },
     # a GPU and configs/small.py: python speedrun.py --device cuda --config configs/small.py --preset gpu
     "gpu": {
