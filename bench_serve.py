@@ -30,7 +30,8 @@ Serving benchmarks for engine.py, each measured side by side in one run on the s
                 (contiguous), paged_cache.PagedCache read in place (as the engine runs: the index keys scored
                 in the pool, only the selected latent rows read) and PagedCache gathering each history
                 (the reference path), and PagedCache with index_quant "int8" (the index keys in int8 with
-                a scale per key, scored by one int8 GEMM: dsa.py, DeepSeek-V3.2's FP8 indexer). Next to each time: the least the step must read (the weights, the
+                a scale per key, scored by one int8 GEMM: dsa.py, DeepSeek-V3.2's FP8 indexer). Next to
+                each time: the least the step must read (the weights, the
                 index keys and the selected latents; dense: every latent) and the bound that sets at the
                 measured copy bandwidth, and the indexer's scores timed alone (one matmul, arithmetic the byte
                 bound does not count). The cache is filled with random latents: prefilling 64K tokens

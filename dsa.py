@@ -101,7 +101,9 @@ def index_scores(q, w, k_all, softmax_scale):
 # into the head weights and applying k's after the head sum. ModelConfig.index_quant = "int8" does the same
 # with int8 (a CPU has int8 matrix instructions, not FP8 ones): the selection (index_topk) in every path
 # scores quantized q and k, and a cache stores each key as 128 int8 values and its fp32 scale's 4 bytes, the
-# layout vLLM's DSA indexer cache uses for its FP8 keys. The indexer KL still trains on the float scores.
+# layout vLLM's DSA indexer cache uses for its FP8 keys. The indexer KL still trains on the float scores
+# (training runs without a cache). On a GPU the int8 keys run this torch path, not kernels.py's fused index
+# kernel (which takes float keys): fine for decode, but a long prefill materialises (B, T, Hi, S) scores.
 # Not done here: the later release also rotates q and k by a Hadamard transform before quantizing them
 # (dot products unchanged, outliers spread); on the toy the int8 selection costs no measurable loss (README).
 
@@ -110,7 +112,7 @@ SCALE_BYTES = 4  # a packed key ends with its fp32 scale, as 4 int8 bytes
 
 def quantize_int8(t):
     """(..., Di) float -> (..., Di) int8 and (...) fp32 scale, t ~= int8 * scale: symmetric, one absmax scale
-    per Di-value block (Di = 128, DeepSeek-V3.2's block)."""
+    per row of Di values (Di = 128 at full size: DeepSeek-V3.2's block of 128)."""
     t = t.float()
     scale = t.abs().amax(-1).clamp_min(1e-12) / 127
     return torch.round(t / scale[..., None]).to(torch.int8), scale
@@ -143,6 +145,11 @@ def index_cache_layout(index_quant, index_head_dim, dtype):
                 f"index_quant 'int8' packs each key with its 4-byte scale and needs index_head_dim divisible "
                 f"by 4, got {index_head_dim}; use index_quant 'none'"
             )
+        if 127 * 127 * index_head_dim >= 2**24:
+            raise ValueError(
+                f"index_quant 'int8' keeps the dot products exact in fp32 only up to index_head_dim 1040, "
+                f"got {index_head_dim}; use index_quant 'none'"
+            )
         return index_head_dim + SCALE_BYTES, torch.int8
     return index_head_dim, dtype
 
@@ -161,8 +168,10 @@ def quantized_index_scores(q, w, packed_k, softmax_scale):
         I[t, s] = k_scale[s] * sum_j (w[t, j] q_scale[t, j] scale) ReLU(q_int[t, j] . k_int[s])
 
     (the scales are > 0, so they move out of the ReLU). Each dot product is an exact integer
-    (|.| <= 127^2 x 128 < 2^24, so fp32 holds every partial sum exactly): the int8 GEMM a CPU runs for a pool
-    and the fp32 einsum elsewhere give the same bits, whatever the batch or the order of the sum."""
+    (|.| <= 127^2 x Di < 2^24, so fp32 holds every partial sum exactly): the int8 GEMM a CPU runs for a pool
+    and the fp32 einsum elsewhere give the same dot products whatever the batch or the order of the sum. The
+    head-weighted sum after them is fp32, as in index_scores, so its last bits may depend on the shape it
+    runs at (a decode step against a full forward), as the float path's do."""
     B, T, Hi, Di = q.shape
     k_int, k_scale = unpack_index_keys(packed_k)  # (B, S, Di) or (S, Di); (B, S) or (S,)
     q_int, q_scale = quantize_int8(q)  # (B, T, Hi, Di), (B, T, Hi)

@@ -162,6 +162,8 @@ class ModelConfig:
             self.index_quant in ("none", "int8"),
             f"index_quant must be 'none' or 'int8', got {self.index_quant!r}",
         )
+        if self.index_quant == "int8":
+            dsa.index_cache_layout(self.index_quant, self.index_head_dim, None)  # raises for a bad head dim
 
     @property
     def qk_head_dim(self):
@@ -300,7 +302,12 @@ class MLA(nn.Module):
         rows = None  # a paged cache read in place: (B, S) pool row of each row's positions
         if cache is not None:
             latent_all, index_k_all = cache.write(layer_id, positions, latent, index_k)  # (B, S, ...)
-            rows = getattr(cache, "rows", None)  # set: latent_all (N, C + R), index_k_all (N, Di) pools
+            rows = getattr(cache, "rows", None)  # set: latent_all (N, C + R), index_k_all (N, Ki) pools
+            if (index_k_all.dtype == torch.int8) != (c.index_quant == "int8"):
+                raise ValueError(
+                    f"the cache holds {index_k_all.dtype} index keys but config.index_quant is "
+                    f"{c.index_quant!r}; set index_quant before building the cache (or the Engine)"
+                )
             if rows is not None and (want_kl or (form or "absorb") == "naive"):  # these need the history
                 latent_all, index_k_all, rows = latent_all[rows], index_k_all[rows], None
             last = positions  # (B, T)
@@ -348,7 +355,7 @@ class MLA(nn.Module):
         # the indexer KL: the main attention's distribution (summed over heads) against the indexer's,
         # over the keys this attention saw (dense warm-up: every visible key; sparse stage: the selection)
         if index_k_all.dtype == torch.int8:  # an int8 cache's history: the keys as the selection saw them
-            index_k_all = dsa.dequantize_index_keys(index_k_all)
+            index_k_all = dsa.dequantize_index_keys(index_k_all)  # (no gradient; training runs uncached)
         if select and form == "absorb":  # over the K selected keys, target rebuilt from the lse
             target = dsa.sparse_mla_target(q_abs, q_pe, latent_all, idx, valid, lse, self.softmax_scale)
             scores = dsa.selected_index_scores(iq, iw, index_k_all, idx, self.indexer.softmax_scale)
@@ -508,7 +515,8 @@ class MTPBlock(Block):
 
 class KVCache:
     """Decode state: per layer (main layers, then MTP) the [c_kv | k_pe] latent (kv_lora_rank +
-    qk_rope_head_dim = 576 values at full size) and the index_head_dim = 128 indexer key, per token."""
+    qk_rope_head_dim = 576 values at full size) and the index_head_dim = 128 indexer key, per token (with
+    index_quant "int8": its 128 int8 values and its scale's 4 bytes, dsa.index_cache_layout)."""
 
     def __init__(self, cfg, batch_size, max_seq_len, device="cpu", dtype=torch.float32):
         L = cfg.num_hidden_layers + cfg.num_nextn_predict_layers

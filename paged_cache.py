@@ -77,21 +77,21 @@ class PagedCache:
 
     def write(self, layer_id, positions, latent, index_k):
         """positions (B, T); latent (B, T, C + R); index_k (B, T, index_head_dim) -> every row's
-        history (B, S, C + R) and (B, S, index_head_dim) (the model.KVCache.write API), or with
-        self.rows set the layer's pools (N, C + R) and (N, index_head_dim), N = pages x page_size, read
-        in place (model.MLA.forward)."""
+        history (B, S, C + R) and (B, S, Ki) (the model.KVCache.write API), or with self.rows set the
+        layer's pools (N, C + R) and (N, Ki), N = pages x page_size, read in place (model.MLA.forward).
+        Ki is the cache's index key width: index_head_dim, or index_head_dim + 4 packed int8 bytes."""
         P = self.page_size
-        C, Di = self.kv.shape[-1], self.index_k.shape[-1]
+        C, Ki = self.kv.shape[-1], self.index_k.shape[-1]
         kv_pool = self.kv[layer_id].view(-1, C)  # (N, C + R), N = (pages + 1) x page_size: a view
-        index_pool = self.index_k[layer_id].view(-1, Di)  # (N, Di)
+        index_pool = self.index_k[layer_id].view(-1, Ki)  # (N, Ki)
         # each new token's pool row: its row's page at positions // P, slot positions % P. index_copy_ and
         # index_select over flat pool rows: copies of whole rows, several times faster on a CPU than
         # indexing the (pages, slots) grid with two index tensors
         pages = self.tables.gather(1, positions // P)  # (B, T)
         slots = (pages * P + positions % P).flatten()  # (B * T,)
         kv_pool.index_copy_(0, slots, latent.reshape(-1, C).to(self.kv.dtype))
-        index_k = dsa.to_index_cache(index_k, self.index_k.dtype)  # (B, T, Di) float or (B, T, Di + 4) int8
-        index_pool.index_copy_(0, slots, index_k.reshape(-1, Di))
+        index_k = dsa.to_index_cache(index_k, self.index_k.dtype)  # (B, T, Ki)
+        index_pool.index_copy_(0, slots, index_k.reshape(-1, Ki))
         if self.rows is not None:
             return kv_pool, index_pool
         S = self.length
@@ -101,10 +101,10 @@ class PagedCache:
         # compiled decode step 1.5x slower (batch 32, bench_serve.py part 0)
         if torch.compiler.is_compiling():
             kv = self.kv[layer_id][t].view(B, -1, C)[:, :S]
-            index_k = self.index_k[layer_id][t].view(B, -1, Di)[:, :S]
+            index_k = self.index_k[layer_id][t].view(B, -1, Ki)[:, :S]
         else:
             kv = self.kv[layer_id].index_select(0, t.flatten()).view(B, -1, C)[:, :S]  # (B, S, C + R)
-            index_k = self.index_k[layer_id].index_select(0, t.flatten()).view(B, -1, Di)[:, :S]  # (B, S, Di)
+            index_k = self.index_k[layer_id].index_select(0, t.flatten()).view(B, -1, Ki)[:, :S]  # (B, S, Ki)
         return kv, index_k
 
     def available(self):

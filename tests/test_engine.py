@@ -99,7 +99,9 @@ def test_batched_chunked_prefill_with_prefix_hits_equals_alone(ckpt, one_thread,
 
 
 @pytest.mark.parametrize("mode,index_quant", [("sparse", "none"), ("dense", "none"), ("sparse", "int8")])
-def test_attention_over_the_page_pool_in_place_equals_the_gathered_history(ckpt, one_thread, mode, index_quant):
+def test_attention_over_the_page_pool_in_place_equals_the_gathered_history(
+    ckpt, one_thread, mode, index_quant
+):
     """A pool at most twice the history is read in place (each position's pool row, pages handed out
     out of order) instead of gathered per row: DSA's index keys and selected latents, and dense
     attention's every latent. Greedy outputs and logprobs equal the gathering reference path."""
@@ -181,6 +183,29 @@ def test_cached_logprobs_match_full_forward(ckpt, one_thread):
     want = full.gather(-1, torch.tensor(r.out)[:, None])[:, 0]
     torch.testing.assert_close(torch.tensor(r.logprobs, dtype=torch.float64), want, rtol=0, atol=1e-9)
     assert [t[0][0] for t in r.top] == r.out and len(r.top[0]) == 3
+
+
+def test_int8_indexer_logprobs_match_the_int8_full_forward_not_the_float_one(ckpt, one_thread):
+    """index_quant "int8" really changes the selection: the engine's logprobs equal the full forward's with
+    int8 selection (1e-9) and differ from the float selection's; a request to an Engine whose index_quant
+    changed after its cache was built fails with the reason rather than mix float and int8 keys."""
+    eng = make_engine(ckpt, "int8", prefix_cache=False)
+    sp = sampling.SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=1)
+    prompt = list(range(40, 70))  # 30 tokens: well past index_topk = 5
+    r = eng.generate([prompt], sp)[0]
+    ids = torch.tensor([prompt + r.out])
+    got = torch.tensor(r.logprobs, dtype=torch.float64)
+    want = {}
+    for index_quant in ("int8", "none"):
+        eng.model.config.index_quant = index_quant
+        full = torch.log_softmax(eng.model(ids)[0, len(prompt) - 1 : -1], -1)
+        want[index_quant] = full.gather(-1, torch.tensor(r.out)[:, None])[:, 0]
+    torch.testing.assert_close(got, want["int8"], rtol=0, atol=1e-9)
+    assert (got - want["none"]).abs().max() > 1e-6
+    bad = eng.generate([prompt], sp)[0]  # the config now says "none", the Engine's cache holds int8 keys
+    assert bad.finish == "error" and "set index_quant before building the cache" in bad.error
+    with pytest.raises(ValueError, match="divisible by 4"):
+        tiny_config(index_quant="int8", index_head_dim=10)
 
 
 def test_continuous_batching_join_midway(ckpt, one_thread):
