@@ -67,8 +67,8 @@ Run it:
 Tests: python -m pytest -q tests/test_rl.py tests/test_rl_async.py
 
 Honest limits: configs/rl_toy.py's 50 steps on the toy chat, search and terminal tasks took held-out
-search from 0.25 to 0.42 (0.53 at step 30) and terminal from 0.50 to 0.63 and left chat flat, +-0.06 each,
-14 min on 2 cores; 60-step runs of both modes reached 0.63-0.67 and 0.77-0.78 in 17 min (README: the RL
+search from 0.25 to 0.47 / 0.42 and terminal from 0.50 to 0.64 / 0.63 in two runs, +-0.06 each, 14 min on
+2 cores; 60-step runs of both modes reached 0.63-0.67 and 0.77-0.78 in 17 min (README: the RL
 section); the RL rate is near its edge (1.5x was unstable, twice collapsed a toy run); under torchrun
 the trainer's step is checked against one process (tests/test_rl.py) and the loop was run by hand on two
 CPU ranks, not on GPUs, and the trainer computes in fp32 (no bf16 autocast); the learning rates, eps
