@@ -517,11 +517,11 @@ def draw_plots(run_dir):
         a1.bar(labels, vals, color=["grey", "tab:orange", "silver", "tab:blue", "tab:red"])
         a1.set_ylim(min(vals) - 0.1, max(vals) + 0.05)
         a1.set_title("held-out loss, same tokens")
-        probe = {k.split(" ")[0]: v for k, v in r["probe"].items() if isinstance(v, dict)}
+        probe = {k.split(" (")[0]: v for k, v in r["probe"].items() if isinstance(v, dict)}  # "DSA, int8 ..."
         a2.bar(
-            list(probe),
+            [label.replace(", ", "\n") for label in probe],
             [v["gain_over_control"] for v in probe.values()],
-            color=["grey", "tab:blue", "tab:red"],
+            color=["grey", "tab:blue", "tab:red", "tab:cyan"][: len(probe)],
         )
         a2.set_title("passkey probe: log-prob gain over control")
         fig.tight_layout()
