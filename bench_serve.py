@@ -57,9 +57,9 @@ import time
 
 import torch
 
+import dsa
 import engine
 import model as glm
-import dsa
 import paged_cache
 import sampling
 import weights

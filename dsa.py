@@ -267,17 +267,13 @@ def index_topk(q, w, k_all, last, topk, softmax_scale, rows=None):
     in_pool = rows is not None and not triton
     if rows is not None and not in_pool:  # the kernel takes one key row per position: gather them
         k_all = k_all[rows]  # (B, S, Di)
+    score = quantized_index_scores if quantized else index_scores
     with torch.no_grad():
         if in_pool:
-            if quantized:
-                I = quantized_index_scores(q, w, k_all, softmax_scale)  # (B, T, N) over the whole pool
-            else:
-                I = index_scores(q, w, k_all, softmax_scale)  # (B, T, N) over the whole pool
+            I = score(q, w, k_all, softmax_scale)  # (B, T, N) over the whole pool
             I = I.gather(-1, rows[:, None, :].expand(B, T, S))  # (B, T, S) in position order
         elif quantized:
-            I = quantized_index_scores(q, w, k_all, softmax_scale)
-            visible = torch.arange(S, device=q.device) <= last[..., None]  # (B, T, S)
-            I = I.masked_fill(~visible, float("-inf"))
+            I = score(q, w, k_all, softmax_scale)  # (B, T, S); topk_select below masks the future
         elif triton:
             I = kernels.index_scores(q, w, k_all, last, softmax_scale)  # (B, T, S), fused causal mask
         else:

@@ -216,9 +216,6 @@ def part_dsa(run_dir, s, dev):
         set_dsa_mode(sparse, "sparse")
         with Selection("window"):
             out["val_sparse_window"] = bench_quant.val_loss(sparse, batches)
-        sparse.config.index_quant = "int8"  # the selection from int8 q and k, as serving can run it
-        out["val_sparse_int8_index"] = bench_quant.val_loss(sparse, batches)
-        sparse.config.index_quant = "none"
     tok = get_tokenizer(4096, cache_dir=os.path.join(HERE, "data"), verbose=False)
     probes = make_probes(tok, s["probes"], s["probe_len"])
     out["probe"] = {
@@ -233,7 +230,9 @@ def part_dsa(run_dir, s, dev):
         "DSA (sparse model, indexer top-k)": run_probe(sparse, probes, "dsa", dev),
         "window (sparse model, last-k)": run_probe(sparse, probes, "window", dev),
     }
-    sparse.config.index_quant = "int8"
+    sparse.config.index_quant = "int8"  # the selection from int8 q and k, as serving can run it
+    with torch.no_grad():
+        out["val_sparse_int8_index"] = bench_quant.val_loss(sparse, batches)
     out["probe"]["DSA, int8 indexer (sparse model, index_quant)"] = run_probe(sparse, probes, "dsa", dev)
     sparse.config.index_quant = "none"
     return out
