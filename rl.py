@@ -22,7 +22,10 @@ What is here, as plain functions on tensors and Trajectory records (rollout.py):
   frozen and the balance and MTP losses off, as GLM-5 trains RL; backward_batch accumulates the gradient
   over micro-batches of like-length rows (a mix of short and long episodes pads little); under torchrun
   (FSDP2) each rank trains its rows of the whole batch (the batch's advantages and token count, so the
-  ranks' gradients add up to one process's); reset_optimizers, the optional optimizer reset after a push.
+  ranks' gradients add up to one process's); with shared_prefix=True the step encodes each group's prompt
+  once (shared_prefix.py, Prefix Grouper: the same logprobs and gradient, a third of the tokens on the toy
+  run; micro-batches and ranks then take whole groups); reset_optimizers, the optional optimizer reset
+  after a push.
 - the DP-aware router: consistent hashing with virtual nodes and bounded loads (Mirrokni, Thorup and
   Zadimoghaddam, "Consistent Hashing with Bounded Loads", SODA 2018), so a multi-turn rollout keeps hitting
   one replica's prefix cache.
@@ -51,6 +54,7 @@ import muon
 import parallel
 from dsa import upcast
 from rollout import Trajectory  # one rollout's exact token record, kept where TITO lives
+from shared_prefix import group_micro_batches, shared_token_logprobs
 
 # -----------------------------------------------------------------------------
 # Group-relative advantages (GRPO)
@@ -365,7 +369,15 @@ def teacher_logprobs(teacher, ids, temperature=1.0):
 
 
 def policy_loss(
-    m, trajs, kind="agentic", teacher=None, temperature=1.0, scale_by_std=True, advantages=None, **band
+    m,
+    trajs,
+    kind="agentic",
+    teacher=None,
+    temperature=1.0,
+    scale_by_std=True,
+    advantages=None,
+    shared_prefix=False,
+    **band,
 ):
     """The RL loss of a batch of Trajectory records, from the exact token ids the engine saw:
 
@@ -376,13 +388,19 @@ def policy_loss(
                       a list of one model per trajectory (teacher_logprobs).
     advantages: (N,) to use instead of the batch's own group advantages (a rank's rows of a batch whose
     groups it does not hold whole). band: the loss's own keywords (eps_low / eps_high, clip_low /
-    clip_high / icepop, n_tokens). -> (loss, stats)."""
+    clip_high / icepop, n_tokens). shared_prefix: each group's prompt encoded once
+    (shared_prefix.shared_token_logprobs: the same logprobs, about a third of the tokens on the toy run);
+    False: one padded forward over the rows (token_logprobs, the reference). -> (loss, stats)."""
     if kind not in ("agentic", "reasoning", "distill"):
         raise ValueError(f"kind must be 'agentic', 'reasoning' or 'distill', got {kind!r}")
     if kind == "distill" and teacher is None:
         raise ValueError("kind 'distill' needs the teacher model (the earlier stage's checkpoint)")
     ids, mask, logp_rollout = collate(trajs, next(m.parameters()).device)
-    logp = token_logprobs(m, ids, temperature)  # (N, T - 1), the tokens ids[:, 1:]
+    if shared_prefix:
+        rows = [list(t.ids) for t in trajs]
+        logp = shared_token_logprobs(m, rows, [t.group for t in trajs], temperature)  # (N, T - 1)
+    else:
+        logp = token_logprobs(m, ids, temperature)  # (N, T - 1), the tokens ids[:, 1:]
     mask = mask[:, 1:]  # (N, T - 1), aligned with the tokens logp scores
     logp_rollout = logp_rollout[:, 1:]
     if kind == "distill":
@@ -420,15 +438,18 @@ def micro_batches(lengths, max_tokens):
     return out
 
 
-def backward_batch(m, trajs, kind, teacher, temperature, world=1, rank=0, micro_tokens=0, **band):
+def backward_batch(
+    m, trajs, kind, teacher, temperature, world=1, rank=0, micro_tokens=0, shared_prefix=False, **band
+):
     """policy_loss of a batch, backward, by micro-batches (micro_batches: gradient accumulation, exact up to
     float rounding: every term divides by the whole batch's loss-mask tokens and the group advantages come
     from the whole batch). Under torchrun every rank holds the whole batch and trains rows rank, rank +
     world, ...; its loss is scaled by world because FSDP2 averages the gradients over the ranks, so the
     ranks' gradients add up to the one-process gradient. Every rank runs as many micro-batches as the rank
     with the most (FSDP's collectives run per forward and backward); a rank short of rows runs its first
-    (or the batch's first) row with weight 0. -> the step's statistics over the whole batch (every rank
-    the same), "loss" the whole batch's."""
+    (or the batch's first) row with weight 0. shared_prefix: micro-batches (and ranks) take whole groups,
+    whose prompts are encoded once (policy_loss). -> the step's statistics over the whole batch (every
+    rank the same), "loss" the whole batch's."""
     n_tokens = sum(sum(t.mask) for t in trajs)  # the first token is never sampled (collate checks it)
     adv = None
     if kind != "distill":
@@ -436,6 +457,14 @@ def backward_batch(m, trajs, kind, teacher, temperature, world=1, rank=0, micro_
     lengths = [len(t.ids) for t in trajs]
 
     def split(r):  # rank r's micro-batches, as indices into trajs
+        if shared_prefix:  # whole groups: rank r takes groups r, r + world, ... in order of first row
+            members = {}
+            for i, t in enumerate(trajs):
+                members.setdefault(t.group, []).append(i)
+            rows = [i for idx in list(members.values())[r::world] for i in idx]
+            ids = [list(trajs[i].ids) for i in rows]
+            parts = group_micro_batches(ids, [trajs[i].group for i in rows], micro_tokens)
+            return [[rows[j] for j in mb] for mb in parts]
         rows = list(range(r, len(trajs), world))
         return [[rows[j] for j in mb] for mb in micro_batches([lengths[i] for i in rows], micro_tokens)]
 
@@ -463,6 +492,7 @@ def backward_batch(m, trajs, kind, teacher, temperature, world=1, rank=0, micro_
             temperature,
             advantages=part_adv,
             n_tokens=n_tokens,
+            shared_prefix=shared_prefix,
             **band,
         )
         (loss * (weight * world)).backward()
@@ -496,6 +526,7 @@ def rl_step(
     world=1,
     rank=0,
     micro_tokens=0,
+    shared_prefix=False,
     **band,
 ):
     """One RL update on a batch of Trajectory records (after filter_buffer): policy_loss and backward by
@@ -510,7 +541,9 @@ def rl_step(
         )
     m.train()
     trainable = [p for p in m.parameters() if p.requires_grad]
-    stats = backward_batch(m, trajs, kind, teacher, temperature, world, rank, micro_tokens, **band)
+    stats = backward_batch(
+        m, trajs, kind, teacher, temperature, world, rank, micro_tokens, shared_prefix, **band
+    )
     if world > 1:
         grad_norm = parallel.clip_grad_norm_(trainable, grad_clip if grad_clip > 0 else math.inf)
     else:

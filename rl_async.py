@@ -134,6 +134,7 @@ lr_muon = 2e-3  # placeholders: GLM-5 does not publish its RL learning rates
 lr_adamw = 3e-4
 grad_clip = 1.0
 micro_tokens = 8192  # gradient accumulation: at most this many padded tokens per forward (rl.micro_batches)
+shared_prefix = True  # the trainer encodes each group's prompt once (shared_prefix.py); False: every row
 temperature = 1.0  # the replicas sample at it, and token_logprobs divides by it
 max_tokens = 96  # per generation request
 thinking = False  # rollouts open the reply with <think> (True) or </think> (False)
@@ -427,6 +428,7 @@ def train_step(m, optimizers, kept, tasks, teacher_of_task, cfg, world, rank):
         grad_clip=cfg["grad_clip"],
         temperature=cfg["temperature"],
         micro_tokens=cfg["micro_tokens"],
+        shared_prefix=cfg["shared_prefix"],
         world=world,
         rank=rank,
     )
