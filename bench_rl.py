@@ -1,7 +1,7 @@
 """
 Benchmarks of the asynchronous agentic RL loop (rl_async.py; GLM-5 report, arXiv 2602.15763, its agentic RL
 infrastructure: rollouts decoupled from training so long agent trajectories never leave the trainer idle,
-and DP-aware routing so a multi-turn rollout keeps hitting one replica's prefix cache). Two parts, each
+and DP-aware routing so a multi-turn rollout keeps hitting one replica's prefix cache). Three parts, each
 measured side by side in one run:
 
 1. async vs sync on a long-tail workload. rl_async.train runs `--steps` trainer steps in mode "sync", then
@@ -24,9 +24,16 @@ measured side by side in one run:
    and task can hit) and later turns, and the ratio of prefilled (missed) tokens, the compute a hit saves.
    Every rollout shares a long system prompt with the tool list, which round-robin hits as well; the
    router's edge is the rollout's own growing context, and it grows with the number of replicas.
+3. the trainer's step with each group's prompt encoded once (shared_prefix.py) vs one forward per row. One
+   batch of configs/rl_toy.py's mix (general, search, terminal at the toy level; 16 groups of 8, 48 tokens
+   a turn) is played on one replica of the model, then rl.rl_step runs on it both ways, alternating, each
+   from the same weights with fresh optimizers: the step times, the tokens each way, and how far apart the
+   two updated models are (rounding only). With the default fresh model every reply runs to 48 tokens and
+   ends the episode; pass the toy policy (--ckpt runs/cpu/sft_episodes/ckpt.pt) for the run's real shapes.
 
 Run it:
-    python bench_rl.py                     # both parts, a fresh toy model; 5.5 min on 2 cores at load 5
+    python bench_rl.py                     # all three parts, a fresh toy model; 6 min on 2 cores at load 5
+    python bench_rl.py --parts step --ckpt runs/cpu/sft_episodes/ckpt.pt     # part 3 on the toy policy
     python bench_rl.py --quick             # a small run (under 2 min): checks that it all works
     python bench_rl.py --ckpt out_sft/ckpt.pt --steps 12      # a train.py checkpoint or save_pretrained dir
     python bench_rl.py --parts async --ahead 2 --tau 2        # the in-flight depth and the staleness bound
@@ -76,6 +83,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
@@ -421,16 +429,98 @@ def part_cache(args, tok):
 
 
 # -----------------------------------------------------------------------------
+# Part 3: the trainer's step, each group's prompt encoded once vs one forward per row
+
+STEP_TASKS = (("general", 0), ("search", 0), ("terminal", 0))  # configs/rl_toy.py's mix
+
+
+def toy_batch(args, tok):
+    """One trainer batch of configs/rl_toy.py's mix as rl_async plays it: args.step_groups groups of 8
+    rollouts (temperature 1, 48 tokens a turn, thinking on), the tasks in turn, on one fresh replica.
+    -> Trajectory records (crashed rollouts left out)."""
+    urls, procs = replicas.start_replicas(args.ckpt, 1)
+
+    def one(name, d, seed, rid, g):
+        gw = rollout.Gateway(urls[0], rid, temperature=1.0, max_tokens=48, timeout=600.0)
+        episode = rollout.rollout(envs.ENVS[name](d), gw, tok, seed, thinking=True)
+        if episode["crashed"]:
+            return []
+        return rollout.trajectories(gw, episode, g)
+
+    jobs = []
+    try:
+        with ThreadPoolExecutor(16) as pool:
+            for g in range(args.step_groups):
+                name, d = STEP_TASKS[g % len(STEP_TASKS)]
+                seed = envs.seeds(envs.ENVS[name](d), "train", 1, start=1000 + g)[0]
+                for k in range(8):
+                    jobs.append(pool.submit(one, name, d, seed, f"step{g}-{k}", g))
+            batch = [t for j in jobs for t in j.result()]
+    finally:
+        replicas.stop_replicas(procs)
+    return batch
+
+
+def part_step(args, tok):
+    """rl.rl_step on one batch of the toy mix, plain (one forward per row, in like-length micro-batches)
+    and shared (shared_prefix.py), alternating, each from the same weights and fresh optimizers.
+    -> {"plain": [s], "shared": [s], "tokens", "shared_tokens", "max_diff"}."""
+    import copy
+
+    import shared_prefix
+
+    print(
+        f"\n== part 3: the trainer's step, {args.step_groups} groups x 8 rollouts of configs/rl_toy.py's mix "
+        "(general, search, terminal), each prompt encoded once vs one forward per row"
+    )
+    batch = toy_batch(args, tok)
+    rows = [t.ids for t in batch]
+    groups = [t.group for t in batch]
+    units = shared_prefix.prefix_units(rows, groups)
+    tokens = sum(len(r) for r in rows)
+    shared_tokens = tokens - sum(P * (len(idx) - 1) for P, idx in units)  # each prefix once
+    lengths = sorted(len(r) for r in rows)
+    print(
+        f"{len(batch)} trajectories, {tokens} tokens (median {lengths[len(lengths) // 2]}, longest "
+        f"{lengths[-1]}), {sum(sum(t.mask) for t in batch)} sampled; each prompt once: {shared_tokens} tokens"
+    )
+    base = engine.load_model(args.ckpt)
+    rl.freeze_for_rl(base)
+    out = {"plain": [], "shared": [], "tokens": tokens, "shared_tokens": shared_tokens}
+    after = {}
+    for rep in range(args.step_reps):
+        for name in ("plain", "shared"):
+            m = copy.deepcopy(base)
+            optimizers = rl.build_optimizers(m, lr_muon=1.5e-3, lr_adamw=5e-4)
+            t0 = time.perf_counter()
+            rl.rl_step(m, optimizers, batch, micro_tokens=8192, shared_prefix=name == "shared")
+            out[name].append(time.perf_counter() - t0)
+            after[name] = m
+    diff = 0.0
+    for p, q in zip(after["plain"].parameters(), after["shared"].parameters()):
+        diff = max(diff, float((p - q).detach().abs().max()))
+    out["max_diff"] = diff
+    plain, shared = min(out["plain"]), min(out["shared"])
+    print(
+        f"step: plain {plain:.2f} s, shared {shared:.2f} s (best of {args.step_reps}; all: "
+        f"{', '.join(f'{x:.2f}' for x in out['plain'])} / {', '.join(f'{x:.2f}' for x in out['shared'])}); "
+        f"{plain / shared:.2f}x; the weights after the two steps differ by at most {diff:.1e}"
+    )
+    return out
+
+
+# -----------------------------------------------------------------------------
 # python bench_rl.py
 
 
 def main(argv=None):
-    """Run the parts -> {"async": {run: summary}, "cache": {replicas: {"router" / "round-robin": Tally}}}."""
+    """Run the parts -> {"async": {run: summary}, "cache": {replicas: {"router" / "round-robin": Tally}},
+    "step": part_step's timings}."""
     ap = argparse.ArgumentParser(description="async vs sync RL throughput; prefix-cache hits, router vs RR")
     ap.add_argument("--steps", type=int, default=8, help="trainer steps per mode in part 1")
     ap.add_argument("--ckpt", default=None, help="train.py ckpt.pt or a save_pretrained dir (default: fresh)")
     ap.add_argument("--quick", action="store_true", help="a small run: 3 steps, short latencies, 2 groups")
-    ap.add_argument("--parts", default="async,cache", help="comma list of: async, cache")
+    ap.add_argument("--parts", default="async,cache,step", help="comma list of: async, cache, step")
     ap.add_argument("--replicas", type=int, default=2, help="part 1: serve.py replica processes")
     ap.add_argument("--cache_replicas", default="2,4", help="part 2: replica counts, comma-separated")
     ap.add_argument("--ahead", type=int, default=3, help="async: batches in flight beyond the one trained")
@@ -442,9 +532,12 @@ def main(argv=None):
     ap.add_argument("--max_tokens", type=int, default=16, help="tokens per turn")
     ap.add_argument("--groups", type=int, default=6, help="part 2: groups of 4 rollouts")
     ap.add_argument("--threads", type=int, default=1, help="torch threads of the trainer (this process)")
+    ap.add_argument("--step_groups", type=int, default=16, help="part 3: groups of 8 rollouts in the batch")
+    ap.add_argument("--step_reps", type=int, default=2, help="part 3: timed steps of each kind")
     args = ap.parse_args(argv)
     if args.quick:
         args.steps, args.groups, args.scale, args.cap, args.cache_replicas = 3, 2, 0.1, 2.0, "2"
+        args.step_groups, args.step_reps = 3, 1
     args.tau = args.ahead + 1 if args.tau is None else args.tau
     print("load:", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
     threads, cwd = torch.get_num_threads(), os.getcwd()
@@ -487,6 +580,14 @@ def main(argv=None):
                     f"prefix-cache hits {hit['router']:.0%} router vs {hit['round-robin']:.0%} round-robin "
                     f"on {n} replicas"
                 )
+        if "step" in parts:
+            results["step"] = part_step(args, tok)
+            st = results["step"]
+            speedup = min(st["plain"]) / min(st["shared"])
+            summary.append(
+                f"trainer step {speedup:.2f}x faster with each prompt encoded once "
+                f"({st['shared_tokens'] / st['tokens']:.0%} of the tokens)"
+            )
         load = os.getloadavg()[0]
         print(f"\nsummary: {'; '.join(summary)} (load {load:.1f} at the end, {os.cpu_count()} cores)")
     finally:

@@ -107,7 +107,7 @@ PRESETS = {
         ),
         # configs/rl_toy.py as it is: 50 steps of general:0, search:0 and terminal:0, held-out reward every
         # 10 (README: the RL section has this run's curve)
-        "rl": dict(max_steps=50, eval_every=10, eval_episodes=64, ckpt_every=10),
+        "rl": dict(max_steps=90, eval_every=10, eval_episodes=64, ckpt_every=10),
         # probe_len 384: the passkey sits farther back than a 64-key window reaches through 4 layers (252);
         # mtp_drafts 4: the report's accept length is measured with 4 speculative steps
         "eval": dict(val_batches=8, val_block=256, probes=32, probe_len=384, serve_prompts=8, new_tokens=32,

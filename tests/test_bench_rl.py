@@ -136,3 +136,6 @@ def test_quick_run_end_to_end(monkeypatch, capsys):
     router, rr = results["cache"][2]["router"], results["cache"][2]["round-robin"]
     later = sorted(router.prompt)[1:]
     assert later and router.rate(later) > rr.rate(later) > 0  # pinned rollouts find their own context
+    step = results["step"]  # 3 groups of the toy mix: the same update, each prompt once
+    assert len(step["plain"]) == len(step["shared"]) == 1 and step["shared_tokens"] < step["tokens"]
+    assert step["max_diff"] < 1e-5

@@ -615,7 +615,7 @@ def _rank_step_check(rank, world, mesh, seed):
             micro_tokens=micro,
             shared_prefix=shared,
         )
-        if micro and not shared:  # every row alone (lengths 6 to 12): rank 0 runs three micro-batches, rank 1 two
+        if micro and not shared:  # every row alone (lengths 6 to 12): rank 0 runs 3 micro-batches, rank 1 two
             lengths = [len(t.ids) for t in trajs]
             counts = [len(rl.micro_batches([lengths[i] for i in range(r, 5, 2)], micro)) for r in range(2)]
             assert counts[0] != counts[1], counts
