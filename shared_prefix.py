@@ -1,27 +1,36 @@
 """
 The shared-prefix forward of the RL trainer: the samples of a GRPO group answer one prompt, so the trainer
 encodes that prompt once and runs only each sample's own tokens against it (Prefix Grouper, Liu et al.,
-"Efficient GRPO Training through Shared-Prefix Forward", arXiv 2506.05433; the GLM-5 report's RL sections
-group rollouts per prompt the same way). The logprobs and the gradients equal one forward per sample, up
-to float rounding: the prefix's latents are computed once with autograd on, every sample's suffix attends
-to them, and backward adds each sample's gradient into the one copy.
+"Efficient GRPO Training through Shared-Prefix Forward", arXiv 2506.05433). It is a speed-up of the
+trainer's forward for GRPO's groups (GLM-5 report: its RL sections compare the samples of one prompt), not
+a change of the algorithm: the logprobs and the gradients equal one forward per sample, up to float
+rounding. The prefix's latents are computed once with autograd on, every sample's suffix attends to them,
+and backward adds each sample's gradient into the one copy.
 
 How, with model.GLM5 unchanged: its forward takes a cache whose write(layer, positions, latent, index_k)
 returns every key a query may see. PrefixCache is such a cache, built for training:
-- the prefix pass (batch 1, positions 0..P-1) keeps each layer's latent and index keys and returns them;
-- the suffix pass (n rows, positions P..) returns the prefix's, expanded to n rows (a view, no copy),
-  followed by the rows' own, out of place so that autograd sees one graph.
+- the prefix pass (one row per group, right-padded, positions 0..P-1) keeps each layer's latents and index
+  keys and returns them;
+- the suffix pass (one row per sample, positions P..) returns, per row, its group's P prefix keys followed
+  by its own, gathered out of place (index_select: a copy per row, kept for backward) so that autograd sees
+  one graph.
 MLA then attends exactly as over a decode cache (query at position p sees keys 0..p), and DSA's indexer
-selects among the same keys at the same positions as in the sample's own forward.
+selects among the same keys at the same positions as in the sample's own forward. Every micro-batch is
+these two forwards, whatever it holds, so ranks under FSDP2 run the same collectives.
 
-On the toy RL run the prompt (system, tool list, task) is 250-280 of a search or terminal episode's
-~350 tokens and a group holds 8 samples, so a step runs about a third of the tokens (README: the RL
-section, with the measured step time).
+On the toy RL run a search or terminal row is about 320 tokens, 250-280 of them prompt (the system block
+with the tool list, the task), and a group holds 8 samples: a step runs about a quarter of the tokens
+(README: the RL section, with the step measured side by side, bench_rl.py part 3).
 
 Run it:  python shared_prefix.py      # a random tiny GLM-5: shared vs one forward per sample
-Tests:   python -m pytest -q tests/test_rl.py -k shared
+Tests:   python -m pytest -q tests/test_rl.py -k "shared or units"
 Honest limits: one prefix per group, the longest one all its samples share (folded episodes share less);
-a group's samples run as one padded batch, so a group with one much longer sample pads the others.
+a group's samples run as one padded batch, so a group with one much longer sample pads the others;
+micro_tokens counts the two forwards' padded tokens, not the per-row copies of the prefix keys nor the
+attention probabilities (rows x heads x suffix x keys) the absorbed form keeps for backward, which the
+plain path's fused attention does not; on a GPU index_select's backward adds with atomics, so the prefix's
+gradient is not bitwise reproducible run to run; the cache's recording flag is state, so the forward
+cannot be recomputed under activation checkpointing as it is.
 """
 
 import torch
@@ -127,28 +136,31 @@ def shared_token_logprobs(m, rows, groups, temperature=1.0):
     units = prefix_units(rows, groups)
     N, U = len(rows), len(units)
     Pmax = max(P for P, _ in units)
-    unit = torch.zeros(N, dtype=torch.long)
-    P = torch.zeros(N, dtype=torch.long)
+    unit_of = [0] * N  # on the host: the loops below need no device sync
+    P_of = [0] * N
     prefix = torch.zeros(U, Pmax, dtype=torch.long)  # (U, Pmax) right-padded with id 0
     for u, (p, idx) in enumerate(units):
         prefix[u, :p] = torch.tensor(rows[idx[0]][:p])
-        unit[idx] = u
-        P[idx] = p
-    unit, P, prefix = unit.to(device), P.to(device), prefix.to(device)
+        for i in idx:
+            unit_of[i] = u
+            P_of[i] = p
+    unit = torch.tensor(unit_of, device=device)  # (N,)
+    P = torch.tensor(P_of, device=device)  # (N,)
+    prefix = prefix.to(device)
     cache = PrefixCache(m.config, unit, P)
 
     # the prefix pass: each unit's own tokens, and the logits at its last token, which predict token P
     logits = m(prefix, cache=cache, start_pos=0)  # (U, Pmax, V)
     logp = torch.log_softmax(upcast(logits) / temperature, dim=-1)
     own_p = logp[:, :-1].gather(-1, prefix[:, 1:, None])[..., 0]  # (U, Pmax - 1)
-    first_id = torch.tensor([r[p] for r, p in zip(rows, P.tolist())], device=device)  # (N,)
+    first_id = torch.tensor([r[p] for r, p in zip(rows, P_of)], device=device)  # (N,)
     last = logp[unit, P - 1]  # (N, V)
     first = last.gather(-1, first_id[:, None])[:, 0]  # (N,)
 
     # the suffix pass: each row's tokens after its prefix, at positions P.., right-padded
-    S = max(1, max(len(r) - 1 - p for r, p in zip(rows, P.tolist())))
+    S = max(1, max(len(r) - 1 - p for r, p in zip(rows, P_of)))
     ids = torch.zeros(N, S + 1, dtype=torch.long)
-    for i, (r, p) in enumerate(zip(rows, P.tolist())):
+    for i, (r, p) in enumerate(zip(rows, P_of)):
         ids[i, : len(r) - p] = torch.tensor(r[p:])
     ids = ids.to(device)
     cache.recording = False
@@ -158,8 +170,8 @@ def shared_token_logprobs(m, rows, groups, temperature=1.0):
 
     T = max(len(r) for r in rows)
     out = []
-    for i, (r, p) in enumerate(zip(rows, P.tolist())):
-        parts = [own_p[unit[i], : p - 1], first[i : i + 1], own_s[i, : len(r) - 1 - p]]
+    for i, (r, p) in enumerate(zip(rows, P_of)):
+        parts = [own_p[unit_of[i], : p - 1], first[i : i + 1], own_s[i, : len(r) - 1 - p]]
         row = torch.cat(parts)  # (len(r) - 1,)
         out.append(torch.nn.functional.pad(row, (0, T - 1 - row.shape[0])))
     return torch.stack(out)  # (N, T - 1)
@@ -235,18 +247,31 @@ def demo():
     for _ in range(8):  # the prompt, then 10 to 39 tokens of the sample's own
         own = int(torch.randint(10, 40, ()))
         rows.append(prompt + torch.randint(0, 256, (own,)).tolist())
-    t0 = time.time()
-    got = shared_token_logprobs(m, rows, [0] * len(rows))
-    t_shared = time.time() - t0
-    t0 = time.time()
-    want = []
-    for r in rows:  # one forward per sample, as rl.token_logprobs runs them
-        logp = m(torch.tensor([r[:-1]]))[0].log_softmax(-1)  # (len(r) - 1, V)
-        want.append(logp.gather(-1, torch.tensor(r[1:])[:, None])[:, 0])
-    t_each = time.time() - t0
-    err = max(float((got[i, : len(r) - 1] - want[i]).detach().abs().max()) for i, r in enumerate(rows))
+    groups = [0] * len(rows)
+
+    def one_each():  # one forward per sample, as rl.token_logprobs runs them
+        want = []
+        for r in rows:
+            logp = m(torch.tensor([r[:-1]]))[0].log_softmax(-1)  # (len(r) - 1, V)
+            want.append(logp.gather(-1, torch.tensor(r[1:])[:, None])[:, 0])
+        return want
+
+    with torch.no_grad():
+        got = shared_token_logprobs(m, rows, groups)
+        want = one_each()
+        err = max(float((got[i, : len(r) - 1] - want[i]).abs().max()) for i, r in enumerate(rows))
+        times = {"shared": [], "one forward each": []}
+        for _ in range(3):  # alternating, after the warm-up above
+            t0 = time.perf_counter()
+            shared_token_logprobs(m, rows, groups)
+            times["shared"].append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            one_each()
+            times["one forward each"].append(time.perf_counter() - t0)
     print(f"8 samples of a 200-token prompt: max |shared - one forward each| = {err:.2e}")
-    print(f"forward time: shared {t_shared * 1e3:.0f} ms, one forward each {t_each * 1e3:.0f} ms")
+    best = {k: min(v) * 1e3 for k, v in times.items()}
+    each = best["one forward each"]
+    print(f"forward, best of 3: shared {best['shared']:.0f} ms, one forward each {each:.0f} ms")
 
 
 if __name__ == "__main__":

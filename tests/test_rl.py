@@ -15,6 +15,7 @@ from conftest import on_two_gloo_ranks, randomize, tiny_config
 import model
 import parallel
 import rl
+import shared_prefix
 from rl import Trajectory
 
 
@@ -582,12 +583,12 @@ def test_optimizer_reset_is_a_fresh_optimizer():
 def _rank_step_check(rank, world, mesh, seed):
     """One rl_step on this rank's rows against rl_step on the whole batch in one process (the same seed on
     both ranks, so both build the same reference): weights and statistics equal."""
-    cases = [("agentic", 5, 0), ("reasoning", 5, 0), ("agentic", 1, 0), ("agentic", 5, 11)]
-    cases += [("agentic", 10, 0), ("agentic", 10, 40)]  # 10: grouped_batch, each prompt encoded once
-    for kind, n_trajs, micro in cases:  # micro: the micro-batches' padded tokens (0: the rows at once)
+    cases = [("agentic", 5, 0, False), ("reasoning", 5, 0, False), ("agentic", 1, 0, False)]
+    cases += [("agentic", 5, 11, False)]
+    cases += [("agentic", 10, 0, True), ("agentic", 10, 40, True)]  # grouped_batch, each prompt once
+    for kind, n_trajs, micro, shared in cases:  # micro: the micro-batches' padded tokens (0: rows at once)
         ref = tiny_policy(seed)
         m = tiny_policy(seed)
-        shared = n_trajs == 10
         if shared:
             trajs = grouped_batch(ref, seed)
         else:
@@ -618,6 +619,13 @@ def _rank_step_check(rank, world, mesh, seed):
         if micro and not shared:  # every row alone (lengths 6 to 12): rank 0 runs 3 micro-batches, rank 1 two
             lengths = [len(t.ids) for t in trajs]
             counts = [len(rl.micro_batches([lengths[i] for i in range(r, 5, 2)], micro)) for r in range(2)]
+            assert counts[0] != counts[1], counts
+        if micro and shared:  # groups 0, 2 on rank 0 and 1, 3 on rank 1: 2 micro-batches against 1 (filler)
+            counts = []
+            for r in range(2):
+                mine = [t for t in trajs if t.group % 2 == r]
+                ids, groups = [t.ids for t in mine], [t.group for t in mine]
+                counts.append(len(shared_prefix.group_micro_batches(ids, groups, micro)))
             assert counts[0] != counts[1], counts
         # the statistics' fractions are float32 sums in the loss functions: equal to ~1e-7
         for k in ("tokens", "masked_frac", "abs_r_minus_1", "loss", "grad_norm", "reward"):
@@ -682,20 +690,22 @@ def padded_ids(trajs):
     return ids
 
 
-@pytest.mark.parametrize("index_quant", ["none", "int8"])
-def test_shared_prefix_logprobs_and_gradient_equal_the_plain_forward(index_quant):
+@pytest.mark.parametrize(
+    "index_quant, dsa_mode, temperature",
+    [("none", "sparse", 1.0), ("int8", "sparse", 1.0), ("none", "dense", 0.7)],
+)
+def test_shared_prefix_logprobs_and_gradient_equal_the_plain_forward(index_quant, dsa_mode, temperature):
     """shared_token_logprobs gives every row's logprobs as the padded forward does (DSA selecting: the
-    rows are longer than index_topk), and backward gives the same gradient."""
-    import shared_prefix
-
-    m = model.GLM5(tiny_config(index_quant=index_quant)).double()
+    rows are longer than index_topk; dense: the absorbed form against the plain path's fused attention), at
+    the sampling temperature, and backward gives the same gradient."""
+    m = model.GLM5(tiny_config(index_quant=index_quant, dsa_mode=dsa_mode)).double()
     randomize(m, 3)
     trajs = grouped_batch(m, 3)
     assert max(len(t.ids) for t in trajs) > m.config.index_topk
     rows = [t.ids for t in trajs]
     assert shared_prefix.common_prefix_length([t.ids for t in trajs if t.group == 3]) == 0
-    got = shared_prefix.shared_token_logprobs(m, rows, [t.group for t in trajs])
-    want = rl.token_logprobs(m, padded_ids(trajs))
+    got = shared_prefix.shared_token_logprobs(m, rows, [t.group for t in trajs], temperature)
+    want = rl.token_logprobs(m, padded_ids(trajs), temperature)
     assert got.shape == want.shape
     for i, t in enumerate(trajs):  # the positions past a row's end are padding, dropped by the mask
         n = len(t.ids) - 1
@@ -716,8 +726,6 @@ def test_shared_prefix_logprobs_and_gradient_equal_the_plain_forward(index_quant
 
 
 def test_prefix_units_and_micro_batches_of_whole_groups():
-    import shared_prefix
-
     rows = [[1, 2, 3, 4], [1, 2, 3, 5, 6], [7, 8], [9, 9, 9], [4, 4, 4, 4, 4, 4, 4]]
     groups = ["a", "a", "b", "b", "c"]
     # a: 3 tokens shared; b: nothing shared, a unit per row; c: alone, all but its last token
@@ -741,8 +749,6 @@ def test_shared_prefix_step_equals_the_plain_step(kind):
     """rl_step with each group's prompt encoded once, in micro-batches of whole groups, lands on the weights
     and statistics of the plain step."""
     import copy
-
-    import shared_prefix
 
     ref = tiny_policy(11)
     trajs = grouped_batch(ref, 11)
