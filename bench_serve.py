@@ -379,7 +379,7 @@ def bench_vs_transformers(m, tok, prompts, n_new, batches, dev, compiled=True):
                 engines[b]["compiled"].generate(prompts[:b], warm_up)
             print(f"compiled decode: graphs for batches {batches} built in {time.perf_counter() - t0:.0f}s")
         except Exception as e:  # no C++ compiler for inductor, an unsupported platform
-            print(f"compiled decode skipped: torch.compile failed ({type(e).__name__}: {str(e)[:200]})")
+            print(f"compiled decode skipped: torch.compile failed ({type(e).__name__}: {str(e)[-600:]})")
             engines = {b: {"eager": e["eager"]} for b, e in engines.items()}
     rows = []
     for b in batches:

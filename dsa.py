@@ -231,12 +231,15 @@ def topk_select(index_scores, visible, k, exact_sort=False):
 def tie_broken_keys(scores):
     """fp32 (or narrower) scores (..., S) -> int64 keys, all distinct, ordered as (score descending, then
     position ascending): the float's bits mapped to an int of the same order (flip the magnitude bits of
-    negatives), shifted up 32 bits, and 2^32 - 1 - position below. -0.0 counts as 0.0 (a ReLU score times a
-    negative head weight is -0.0, and the stable sort treats the two as one value)."""
+    negatives), shifted up 32 bits, minus the position (S < 2^32, so a score's keys never reach the next
+    score's). -0.0 counts as 0.0 (a ReLU score times a negative head weight is -0.0, and the stable sort
+    treats the two as one value)."""
     bits = (scores.float() + 0.0).view(torch.int32)  # + 0.0 turns -0.0 into 0.0
     ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # monotone in the float: a < b <=> ordered(a) < ordered(b)
     pos = torch.arange(scores.shape[-1], device=scores.device)
-    return ordered.long() * 2**32 + (2**32 - 1 - pos)
+    # minus pos, not + (2^32 - 1 - pos): the same order, and inductor (torch 2.11, CUDA) put that constant
+    # into an int32 index expression and failed to compile the decode step
+    return ordered.long() * 2**32 - pos
 
 
 def causal_index_scores(q, w, k_all, last, softmax_scale):

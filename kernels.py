@@ -16,7 +16,8 @@ The MoE experts' grouped SwiGLU kernels are in kernels_moe.py, the W8A8 / W4A8 o
 kernels_quant.py; both share this file's switch.
 
 One switch, one rule (use_triton below), set by the environment variable NANOGLM_KERNELS:
-    auto    (default) Triton when the data is on a CUDA GPU, the torch reference otherwise
+    auto    (default) Triton when the data is on a CUDA GPU, the torch reference otherwise, and the torch
+            reference inside torch.compile (serve.py --compile), where inductor fuses it
     torch   the torch reference everywhere (the switch to compare against, on a GPU too)
     triton  Triton everywhere; on a machine without CUDA that is Triton's CPU interpreter
             (TRITON_INTERPRET=1, which this file sets before defining the kernels): slow, for tests
@@ -89,6 +90,10 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # the state the kernels w
 def use_triton(x):
     """Triton or torch for data like `x`: Triton on CUDA (MODE auto) or always (MODE triton); else torch."""
     if MODE == "torch" or (MODE == "auto" and not (x.is_cuda and HAVE_TRITON)):
+        return False
+    if MODE == "auto" and torch.compiler.is_compiling():
+        # under torch.compile the torch paths run and inductor writes fused kernels for them: inductor
+        # (torch 2.11, H100) failed to compile these kernels as user-defined Triton kernels
         return False
     if not HAVE_TRITON:
         raise RuntimeError(
@@ -289,7 +294,9 @@ def sparse_mla_kernel(
         # (BLOCK_K, BLOCK_C)
         c_kv = tl.load(row[:, None] + c[None, :], mask=ok[:, None] & (c[None, :] < C), other=0.0)
         k_pe = tl.load(row[:, None] + C + r[None, :], mask=ok[:, None] & (r[None, :] < R), other=0.0)
-        s = tl.dot(q_abs, tl.trans(c_kv)) + tl.dot(q_pe, tl.trans(k_pe))  # (BLOCK_H, BLOCK_K) fp32
+        s = tl.dot(q_abs, tl.trans(c_kv), input_precision="ieee") + tl.dot(
+            q_pe, tl.trans(k_pe), input_precision="ieee"
+        )  # (BLOCK_H, BLOCK_K) fp32
         s = tl.where(ok[None, :], s * scale_log2, float("-inf"))
         # online softmax: rescale what was summed so far to the new running max
         m_new = tl.maximum(m, tl.max(s, axis=1))
@@ -297,7 +304,7 @@ def sparse_mla_kernel(
         alpha = tl.exp2(m - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l = l * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(c_kv.dtype), c_kv)
+        acc = acc * alpha[:, None] + tl.dot(p.to(c_kv.dtype), c_kv, input_precision="ieee")
         m = m_new
     l_safe = tl.where(l > 0, l, 1.0)  # a split with no valid key writes o = 0 (acc is 0) and lse = -inf
     o = acc / l_safe[:, None]
@@ -312,11 +319,20 @@ def sparse_mla_kernel(
     tl.store(LSE + out_row, lse, mask=h < H)
 
 
+def valid_bytes(valid):
+    """The bool mask (B, T, K) as uint8 bytes: plain int8 loads in the kernels. Eager, a view (no copy);
+    under torch.compile a conversion, since inductor cannot lower a bool tensor's dtype view (seen with
+    torch 2.11 on an H100: the compiled decode step failed with "torch.bool is not supported by iinfo")."""
+    if torch.compiler.is_compiling():
+        return valid.to(torch.uint8)
+    return valid.contiguous().view(torch.uint8)
+
+
 def sparse_mla_fwd(q_abs, q_pe, latent, idx, valid, softmax_scale, num_splits=None, block_h=16, block_k=32):
     B, T, H, C = q_abs.shape
     R, K = q_pe.shape[-1], idx.shape[-1]
     q_abs, q_pe, idx = q_abs.contiguous(), q_pe.contiguous(), idx.contiguous()
-    valid = valid.contiguous().view(torch.uint8)  # bytes: plain int8 loads in the kernel
+    valid = valid_bytes(valid)
     assert latent.stride(-1) == 1, "the latent cache must be contiguous in its last dim"
     programs = B * T * cdiv(H, block_h)
     if (
@@ -423,16 +439,20 @@ def sparse_mla_bwd_kernel(
         c_kv = tl.load(row[:, None] + c[None, :], mask=ok[:, None] & (c[None, :] < C), other=0.0)
         # (BLOCK_K, BLOCK_R)
         k_pe = tl.load(row[:, None] + C + r[None, :], mask=ok[:, None] & (r[None, :] < R), other=0.0)
-        s = tl.dot(q_abs, tl.trans(c_kv)) + tl.dot(q_pe, tl.trans(k_pe))  # (BLOCK_H, BLOCK_K) fp32, unscaled
+        s = tl.dot(q_abs, tl.trans(c_kv), input_precision="ieee") + tl.dot(
+            q_pe, tl.trans(k_pe), input_precision="ieee"
+        )  # (BLOCK_H, BLOCK_K) fp32, unscaled
         # p as the forward left it; where(), not a multiply, so that exp2(+inf) of a masked slot never enters
         p = tl.where(ok[None, :] & (h[:, None] < H), tl.exp2(s * scale_log2 - lse2[:, None]), 0.0)
-        dp = tl.dot(d_o, tl.trans(c_kv))  # (BLOCK_H, BLOCK_K)
+        dp = tl.dot(d_o, tl.trans(c_kv), input_precision="ieee")  # (BLOCK_H, BLOCK_K)
         ds = p * (dp - delta[:, None]) * scale  # gradient of the unscaled dot products
-        dq_abs += tl.dot(ds.to(c_kv.dtype), c_kv)
-        dq_pe += tl.dot(ds.to(k_pe.dtype), k_pe)
+        dq_abs += tl.dot(ds.to(c_kv.dtype), c_kv, input_precision="ieee")
+        dq_pe += tl.dot(ds.to(k_pe.dtype), k_pe, input_precision="ieee")
         # (BLOCK_K, BLOCK_C)
-        d_c = tl.dot(tl.trans(p.to(d_o.dtype)), d_o) + tl.dot(tl.trans(ds.to(q_abs.dtype)), q_abs)
-        d_pe = tl.dot(tl.trans(ds.to(q_pe.dtype)), q_pe)  # (BLOCK_K, BLOCK_R)
+        d_c = tl.dot(tl.trans(p.to(d_o.dtype)), d_o, input_precision="ieee") + tl.dot(
+            tl.trans(ds.to(q_abs.dtype)), q_abs, input_precision="ieee"
+        )
+        d_pe = tl.dot(tl.trans(ds.to(q_pe.dtype)), q_pe, input_precision="ieee")  # (BLOCK_K, BLOCK_R)
         d_row = DLAT + b * sd_b + pos * sd_s
         tl.atomic_add(d_row[:, None] + c[None, :], d_c, mask=ok[:, None] & (c[None, :] < C), sem="relaxed")
         tl.atomic_add(
@@ -449,7 +469,7 @@ def sparse_mla_bwd(
     B, T, H, C = q_abs.shape
     R, K = q_pe.shape[-1], idx.shape[-1]
     q_abs, q_pe, idx, d_o = q_abs.contiguous(), q_pe.contiguous(), idx.contiguous(), d_o.contiguous()
-    valid = valid.contiguous().view(torch.uint8)
+    valid = valid_bytes(valid)
     assert latent.stride(-1) == 1, "the latent cache must be contiguous in its last dim"
     d_q_abs = torch.empty(q_abs.shape, device=q_abs.device, dtype=q_abs.dtype)
     d_q_pe = torch.empty(q_pe.shape, device=q_pe.device, dtype=q_pe.dtype)
@@ -558,7 +578,9 @@ def sparse_mla_target_kernel(
             QP + (bt * H + h[:, None]) * R + r[None, :], mask=(h[:, None] < H) & (r[None, :] < R), other=0.0
         )
         lse2 = tl.load(LSE + bt * H + h, mask=h < H, other=0.0) * 1.4426950408889634
-        s = tl.dot(q_abs, tl.trans(c_kv)) + tl.dot(q_pe, tl.trans(k_pe))  # (BLOCK_H, BLOCK_K)
+        s = tl.dot(q_abs, tl.trans(c_kv), input_precision="ieee") + tl.dot(
+            q_pe, tl.trans(k_pe), input_precision="ieee"
+        )  # (BLOCK_H, BLOCK_K)
         p = tl.where(ok[None, :] & (h[:, None] < H), tl.exp2(s * scale_log2 - lse2[:, None]), 0.0)
         total += tl.sum(p, axis=0)
     # each head's probabilities sum to 1, so attention_target's L1 normalisation is a division by H
@@ -578,7 +600,7 @@ def sparse_mla_target(q_abs, q_pe, latent, idx, valid, lse, softmax_scale, block
         q_pe.detach().contiguous(),
         latent.detach(),
         idx.contiguous(),
-        valid.contiguous().view(torch.uint8),
+        valid_bytes(valid),
         lse.detach().contiguous(),
         p,
         T,

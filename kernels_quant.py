@@ -126,7 +126,9 @@ def quantize_activations_ref(x):
     inv = torch.full_like(amax, 127.0) / amax
     inv = torch.where(amax > 0, inv, torch.zeros_like(amax))  # an all-zero token: q = 0, scale 0
     x_q = torch.round(x * inv).clamp(-127, 127).to(torch.int8)  # torch.round: half to even, as cvt.rni
-    return x_q, amax / 127
+    # absmax / 127 correctly rounded too: a CUDA tensor divided by a Python number is multiplied by its
+    # reciprocal, a last-bit difference from the kernel's IEEE division (seen on an H100)
+    return x_q, amax / torch.full_like(amax, 127.0)
 
 
 # -----------------------------------------------------------------------------
@@ -290,7 +292,13 @@ def quantize_activations_triton(x, block_k=1024):
     x_scale = torch.empty(M, 1, device=x.device, dtype=torch.float32)
     if M:
         block_k = min(block_k, max(16, 1 << (K - 1).bit_length()))
-        quantize_kernel[(M,)](x2, x_q, x_scale, K, x2.stride(0), x_q.stride(0), BLOCK_K=block_k)
+        # enable_fp_fusion=False: with fusion on, the compiler folds x * inv into the `v - floor(v)` of
+        # round_half_even as one fused multiply-add, which sees the exact product instead of the rounded v and
+        # rounds a tie (frequent with bf16 / fp16 inputs) away from even (seen on an H100: other x_q than
+        # torch's). The interpreter ignores the option.
+        quantize_kernel[(M,)](
+            x2, x_q, x_scale, K, x2.stride(0), x_q.stride(0), BLOCK_K=block_k, enable_fp_fusion=False
+        )
     return x_q.view(x.shape), x_scale.view(*x.shape[:-1], 1)
 
 
