@@ -204,7 +204,9 @@ class Sandbox:
 
     def command(self, argv, L, files, info_fd, env):
         a = [
-            "bwrap",
+            # its full path: bwrap starts with an empty environment, so a bare name is looked up in
+            # /bin:/usr/bin only, and a bwrap elsewhere on PATH passed the probe and then failed every run
+            shutil.which("bwrap"),
             "--unshare-user",
             "--unshare-ipc",
             "--unshare-pid",

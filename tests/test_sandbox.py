@@ -3,6 +3,7 @@ behind. Run as root (CI does): that is the hard case, where a sandbox mapped to 
 limit. Without a working bwrap these tests fail, loudly, on purpose: CI installs bubblewrap."""
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -102,6 +103,14 @@ def test_no_bwrap_means_sandboxed_false_and_a_refusal(monkeypatch):
         assert s.sandboxed is False and "bwrap" in s.why
         with pytest.raises(sandbox.SandboxUnavailable, match="refusing"):
             s.run(["true"])
+
+
+def test_bwrap_is_started_by_its_full_path(sb):
+    """bwrap starts with an empty environment, where a bare name is looked up in /bin:/usr/bin only: one
+    installed elsewhere on PATH (seen: unpacked under /tmp on a GPU machine without the package) must still
+    be the one that runs."""
+    argv = sb.command(["true"], sb.limits, [], 0, {})
+    assert os.path.isabs(argv[0]) and argv[0] == shutil.which("bwrap")
 
 
 # -----------------------------------------------------------------------------
