@@ -32,15 +32,17 @@ Run:
     python bench_kernels.py --interpret        # tiny shapes through the interpreter on a CPU: a smoke test
 
 Honest limits:
-- Tile sizes are fixed and untuned (no autotuning) and were chosen without a GPU at hand: expect these to
-  be well short of FlashMLA's ~410 TFLOP/s sparse decode or Marlin's ~4x INT4 speedup. They are written
-  to be read first; bench_kernels.py reports how far they are.
+- Tile sizes are fixed and untuned (no autotuning) and were chosen without a GPU at hand. On one H100
+  (bench_kernels.py, bf16, README: Benchmarks) the index kernel runs 5-6x its torch path and sparse MLA
+  1.4-1.8x, but sparse MLA decodes at 47-51 TFLOP/s, about 7% of the chip's bf16 matmul rate, where
+  FlashMLA's reaches ~410 on an H800. They are written to be read first.
 - top-k after the index kernel is the reference's full stable sort over (B, T, S), not a fused top-k; the
   scores (B, T, S) in fp32 are materialised, so feed long prefills in blocks of queries.
 - The index kernel does its dot products in the key cache's dtype, the reference in fp32: with a bf16 cache
-  the scores differ at ~1e-2 relative, so near-tied keys can swap in the top-k. An fp32 cache gets exact
-  fp32 dots (input_precision="ieee", no tensor cores: slow, meant for tests). Elsewhere fp32 dots on a
-  GPU are tf32.
+  the scores differ at ~1e-2 relative, so near-tied keys can swap in the top-k. For fp32 inputs every
+  kernel here does exact fp32 dots (input_precision="ieee", no tensor cores: slow, meant for tests): with
+  tf32 dots a training step's indexer gradients, which come through the KL, were 5% off the torch path's
+  on an H100. kernels_moe.py's fp32 dots are tf32.
 - sparse_mla's backward adds each selected row's gradient into d_latent with fp32 atomics, so the order of
   those sums (and the last bits of d_latent) varies from run to run on a GPU; dq is deterministic. It
   keeps one (B, T, H, C) output and the lse for backward, not the (B, T, K, 576) gather that the torch
@@ -48,8 +50,11 @@ Honest limits:
 - In the sparse stage the indexer's KL input, I at the selected keys, is plain torch
   (dsa.selected_index_scores, a (B, T, K, 128) gather); the dense warm-up's KL needs dense attention's
   probabilities and stays in torch.
-- Written without a GPU: tested under Triton's interpreter and compiled for sm_90 (no register spills at
-  GLM-5 shapes), but the native GPU tests and bench_kernels.py had not yet been run when this was written.
+- Under torch.compile (NANOGLM_KERNELS=auto) the torch paths run instead, for inductor to fuse: inductor
+  (torch 2.11) failed to compile these kernels as user-defined Triton kernels.
+- Run natively in one 15-minute lease of an H100 (torch 2.11, Triton 3.6): 89 of the 97 kernel test cases
+  passed at first, 95 after kernels_quant's two fixes; the changes made after the lease (the exact fp32
+  dots and the compile rule above, two test changes) have run under the interpreter and on the CPU only.
 """
 
 import functools

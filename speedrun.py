@@ -34,7 +34,8 @@ cores, thousands of times less than GLM-5's (the report card sets each figure be
 RL stage starts serve.py replicas on loopback ports (configs/rl_toy.py's two), so on a 2-core CPU the
 trainer and the replicas share the cores. A stage's settings are checked by the script that runs them (an
 unknown key is that script's one-sentence error, which the stage's failure line points to). The gpu preset has
-not been run (no GPU was at hand when it was written); its numbers are a starting point.
+not been run; its numbers are a starting point. On one H100 the tiny preset ran through the sparse stage
+(the machine had no bubblewrap, so the environment episodes stopped it: README, Benchmarks).
 """
 
 import argparse
