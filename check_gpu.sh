@@ -8,6 +8,9 @@
 # Steps:   machine tests kernels speedrun train serve dsa
 # Logs go to $OUT (default out_gpu/), one file per step; each step has its own time limit, and a step
 # that fails or runs out of time is reported and the next one runs.
+# Needs: a CUDA build of torch, triton, pytest-xdist for the tests step (-n 8: the kernels compile in 8
+# processes at once), transformers for the serve step's side-by-side rows (without it that part says so),
+# bubblewrap for the pipeline's environment stages.
 # Honest limits: the limits are sized for one H100 in a 15-minute lease; the benchmarks run with fewer
 # repetitions and contexts than their defaults.
 
@@ -44,7 +47,9 @@ print(torch.__version__, triton.__version__, torch.cuda.get_device_name())'"
             tests/test_kernels.py tests/test_kernels_quant.py
         ;;
     speedrun)  # every stage of the workshop run, a few steps each, on the GPU
-        command -v bwrap >/dev/null || echo "no bwrap here: the environment stages will stop (apt-get install bubblewrap)"
+        if ! command -v bwrap >/dev/null; then
+            echo "no bwrap here: the environment stages will stop (apt-get install bubblewrap)"
+        fi
         rm -rf runs/tiny_cuda
         step speedrun 180 $PY speedrun.py --preset tiny --run tiny_cuda --device cuda --quiet
         cp runs/tiny_cuda/report.md "$OUT/speedrun_report.md" 2>/dev/null

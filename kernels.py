@@ -17,7 +17,8 @@ kernels_quant.py; both share this file's switch.
 
 One switch, one rule (use_triton below), set by the environment variable NANOGLM_KERNELS:
     auto    (default) Triton when the data is on a CUDA GPU, the torch reference otherwise, and the torch
-            reference inside torch.compile (serve.py --compile), where inductor fuses it
+            reference inside torch.compile (serve.py --compile, train.py --compile=True), where inductor
+            fuses it: this file's kernels, kernels_moe.py's and kernels_quant.py's alike
     torch   the torch reference everywhere (the switch to compare against, on a GPU too)
     triton  Triton everywhere; on a machine without CUDA that is Triton's CPU interpreter
             (TRITON_INTERPRET=1, which this file sets before defining the kernels): slow, for tests
@@ -34,15 +35,16 @@ Run:
 Honest limits:
 - Tile sizes are fixed and untuned (no autotuning) and were chosen without a GPU at hand. On one H100
   (bench_kernels.py, bf16, README: Benchmarks) the index kernel runs 5-6x its torch path and sparse MLA
-  1.4-1.8x, but sparse MLA decodes at 47-51 TFLOP/s, about 7% of the chip's bf16 matmul rate, where
-  FlashMLA's reaches ~410 on an H800. They are written to be read first.
+  1.4-1.8x, but sparse MLA decodes at 47-51 TFLOP/s, 6-7% of the chip's bf16 matmul rate, where DeepSeek's
+  FlashMLA reports up to 410 TFLOP/s for sparse decode over an FP8 cache on an H800 (its README). They are
+  written to be read first.
 - top-k after the index kernel is the reference's full stable sort over (B, T, S), not a fused top-k; the
   scores (B, T, S) in fp32 are materialised, so feed long prefills in blocks of queries.
 - The index kernel does its dot products in the key cache's dtype, the reference in fp32: with a bf16 cache
   the scores differ at ~1e-2 relative, so near-tied keys can swap in the top-k. For fp32 inputs every
   kernel here does exact fp32 dots (input_precision="ieee", no tensor cores: slow, meant for tests): with
   tf32 dots a training step's indexer gradients, which come through the KL, were 5% off the torch path's
-  on an H100. kernels_moe.py's fp32 dots are tf32.
+  on an H100. kernels_moe.py's kernels do the same.
 - sparse_mla's backward adds each selected row's gradient into d_latent with fp32 atomics, so the order of
   those sums (and the last bits of d_latent) varies from run to run on a GPU; dq is deterministic. It
   keeps one (B, T, H, C) output and the lse for backward, not the (B, T, K, 576) gather that the torch
@@ -51,10 +53,12 @@ Honest limits:
   (dsa.selected_index_scores, a (B, T, K, 128) gather); the dense warm-up's KL needs dense attention's
   probabilities and stays in torch.
 - Under torch.compile (NANOGLM_KERNELS=auto) the torch paths run instead, for inductor to fuse: inductor
-  (torch 2.11) failed to compile these kernels as user-defined Triton kernels.
+  (torch 2.11) failed to compile the index kernel as a user-defined Triton kernel. So a compiled training
+  step on a GPU loses sparse MLA's memory saving (27x at the shape bench_kernels.py times).
 - Run natively in one 15-minute lease of an H100 (torch 2.11, Triton 3.6): 89 of the 97 kernel test cases
-  passed at first, 95 after kernels_quant's two fixes; the changes made after the lease (the exact fp32
-  dots and the compile rule above, two test changes) have run under the interpreter and on the CPU only.
+  passed at first, 95 after kernels_quant's two fixes. The compile rule above ran there (inductor then failed
+  on dsa.tie_broken_keys, changed since); the exact fp32 dots above (and kernels_moe.py's) and two test
+  changes came after the lease and have run under the interpreter and on the CPU only.
 """
 
 import functools

@@ -140,12 +140,25 @@ def probe():
             _PROBE = False, f"bubblewrap needs Linux, this is {sys.platform}"
         elif not shutil.which("bwrap"):
             _PROBE = False, "bwrap not found; install bubblewrap (apt-get install -y bubblewrap)"
+        elif os.geteuid() == 0 and not reachable_by_others(shutil.which("bwrap")):
+            # as root, bwrap is started as uid 65534, which must be able to reach it
+            _PROBE = False, (
+                f"bwrap at {shutil.which('bwrap')} is under a directory uid 65534 cannot enter; "
+                "install bubblewrap system-wide (apt-get install -y bubblewrap)"
+            )
         elif not shutil.which("prlimit"):
             _PROBE = False, "prlimit not found; install util-linux"
         else:
-            with Sandbox(_probing=True) as sb:
-                r = sb.run(["true"], limits=Limits(wall_s=20))
-            _PROBE = (True, "") if r.ok else (False, f"bwrap does not work here: {r.stderr.strip()[-300:]}")
+            try:
+                with Sandbox(_probing=True) as sb:
+                    r = sb.run(["true"], limits=Limits(wall_s=20))
+            except OSError as e:  # bwrap found but not startable: said in one sentence, not a traceback
+                _PROBE = False, f"bwrap could not be started: {e}"
+            else:
+                if r.ok:
+                    _PROBE = True, ""
+                else:
+                    _PROBE = False, f"bwrap does not work here: {r.stderr.strip()[-300:]}"
     return _PROBE
 
 

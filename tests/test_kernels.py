@@ -36,8 +36,8 @@ elif torch.cuda.is_available() and kernels.use_triton(torch.zeros(1, device="cud
     CASES = [("cuda", torch.float32), ("cuda", torch.float16), ("cuda", torch.bfloat16)]
 else:
     CASES = []  # nothing native to run here: the kernels run in the interpreter process
-# max |kernel - reference| / max |reference|; GPU fp32 dots run as tf32 in the MoE kernels (the DSA kernels
-# do exact fp32 dots for fp32 inputs: kernels.py's docstring says why)
+# max |kernel - reference| / max |reference|; for fp32 inputs the kernels do exact fp32 dots (kernels.py's
+# docstring says why), but the bound stays the tf32 one they were first run natively with
 TOL = {("cpu", torch.float32): 2e-6, ("cuda", torch.float32): 5e-3, torch.float16: 1e-2, torch.bfloat16: 4e-2}
 
 
@@ -286,7 +286,7 @@ def test_model_runs_the_kernels_in_its_sparse_path(case, monkeypatch):
     ]  # indexer's included
     # a KL, and attention gradients to compare
     assert ref_train[2] > 0 and all(g.abs().sum() > 0 for g in attn)
-    bound = 1e-4 if dev == "cpu" else tol  # fp32 dots on a GPU are tf32
+    bound = 1e-4 if dev == "cpu" else tol
     for a, b in zip(got_train, ref_train):
         assert (a - b).abs().max() <= bound * b.abs().max().clamp_min(1e-3)
 
@@ -306,8 +306,11 @@ def test_model_sparse_stage_under_autocast(case, monkeypatch):
         pytest.skip("autocast to a half-precision dtype")
     m = randomize(model.GLM5(tiny_config(index_topk=4)), seed=0).to(dev).train()
     x = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(0)).to(dev)
-    mode, runs = K.MODE, {}
-    real_topk, picked, queue = dsa.index_topk, [], []
+    mode = K.MODE
+    runs = {}
+    real_topk = dsa.index_topk
+    picked = []  # the torch run's selections, in call order
+    queue = []  # what a replaying run has still to take
 
     def record(*args, **kw):  # the torch run: keep each selection
         picked.append(real_topk(*args, **kw))
@@ -330,19 +333,22 @@ def test_model_sparse_stage_under_autocast(case, monkeypatch):
             _, losses = m(x, x, indexer_kl=True)
         losses["loss"].backward()
         assert not queue  # a replaying run took every selection the torch run made
-        runs[name] = [losses["lm"].detach(), losses["indexer_kl"].detach()] + [
-            p.grad.clone() for n, p in m.named_parameters() if "self_attn" in n  # the indexer's included
-        ]
-    for got, ref, exact in zip(runs["kernels"], runs["torch"], runs["fp32"]):
-        err_torch = (ref - exact).abs().max()
-        err_kernels = (got - exact).abs().max()
-        assert err_kernels <= 2 * err_torch + tol * exact.abs().max()
+        runs[name] = {"lm": losses["lm"].detach(), "indexer_kl": losses["indexer_kl"].detach()}
+        for n, p in m.named_parameters():
+            if "self_attn" in n:  # the indexer's included
+                runs[name][n] = p.grad.clone()
+    for n, exact in runs["fp32"].items():
+        err_torch = float((runs["torch"][n] - exact).abs().max())
+        err_kernels = float((runs["kernels"][n] - exact).abs().max())
+        slack = (1e-2 if exact.dim() == 0 else tol) * float(exact.abs().max())  # the losses: 1% of the value
+        assert err_kernels <= 2 * err_torch + slack, (n, err_kernels, err_torch, slack)
 
 
 def test_compiled_decode_equals_eager_on_the_gpu(case):
-    """serve.py --compile on a GPU: the decode step through torch.compile, where kernels.use_triton hands the
-    DSA paths to inductor, gives the greedy tokens of the eager engine, whose decode runs the Triton kernels
-    (in fp32: tf32 dots against fp32 ones, so logprobs agree to ~1e-3, not to rounding)."""
+    """serve.py --compile on a GPU: the decode step through torch.compile, where kernels.use_triton hands every
+    kernel's work to inductor, gives the greedy tokens and logprobs of the eager engine, whose decode runs the
+    Triton kernels (in fp32 both do exact fp32 dots, so a near-tied token of this random model cannot flip on
+    tf32 rounding)."""
     import engine
     import sampling
     from conftest import tiny_chat_tokenizer
@@ -364,7 +370,7 @@ def test_compiled_decode_equals_eager_on_the_gpu(case):
             assert graphs["unique_graphs"] > before
     for a, b in zip(out[False], out[True]):
         assert a.out == b.out
-        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=1e-2)
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=1e-3)
 
 
 def test_bench_says_it_needs_a_gpu():

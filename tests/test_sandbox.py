@@ -7,6 +7,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import threading
 import time
 import uuid
@@ -111,6 +112,30 @@ def test_bwrap_is_started_by_its_full_path(sb):
     be the one that runs."""
     argv = sb.command(["true"], sb.limits, [], 0, {})
     assert os.path.isabs(argv[0]) and argv[0] == shutil.which("bwrap")
+
+
+def test_a_bwrap_that_cannot_start_is_a_refusal_not_a_traceback(monkeypatch):
+    """A bwrap found on PATH that cannot be executed (a text file with the exec bit), in a directory anyone
+    can enter, makes the probe refuse in one sentence; as root, one under a private directory is refused
+    before it is tried (bwrap is started as uid 65534, which could not reach it)."""
+    public = tempfile.mkdtemp(dir="/tmp")
+    try:
+        os.chmod(public, 0o755)
+        with open(os.path.join(public, "bwrap"), "w") as f:
+            f.write("not a program\n")
+        os.chmod(os.path.join(public, "bwrap"), 0o755)
+        monkeypatch.setattr(sandbox, "_PROBE", None)
+        monkeypatch.setenv("PATH", f"{public}:{os.environ['PATH']}")
+        with Sandbox(require=False) as s:
+            assert s.sandboxed is False and "bwrap could not be started" in s.why, s.why
+        if os.geteuid() == 0:
+            os.chmod(public, 0o700)
+            monkeypatch.setattr(sandbox, "_PROBE", None)
+            with Sandbox(require=False) as s:
+                assert s.sandboxed is False and "uid 65534 cannot enter" in s.why, s.why
+    finally:
+        shutil.rmtree(public)
+        monkeypatch.setattr(sandbox, "_PROBE", None)  # the next test probes the real bwrap again
 
 
 # -----------------------------------------------------------------------------
