@@ -14,9 +14,10 @@ arXiv 2404.00456, tables 1 and 9); much more means a packing or scale bug.
 Honest limits: the toy model has no outlier channels to speak of (the calibration table of quantize.py
 shows kurtosis near a Gaussian's 3), so rotation has little to remove here; on a CPU the quantized matmuls
 run kernels_quant's torch reference (unpack the INT4 words, quantize the activations, torch._int_mm), so
-quantized decoding is slower than BF16 here, not faster: the bandwidth saving would show on a GPU with
-kernels_quant's Triton kernels, which this script does not run (it times the CPU; no GPU was at hand). Decode
-timing is batch 1, greedy, the model's own KV cache (model.generate), one run.
+quantized decoding is slower than BF16 here, not faster. This script does not run kernels_quant's Triton
+kernels (it times the CPU); on an H100 those were slower than a bf16 matmul as well, at every shape
+bench_kernels.py times but one (README: Benchmarks), so the saving is memory. Decode timing is
+batch 1, greedy, the model's own KV cache (model.generate), one run.
 """
 
 import argparse

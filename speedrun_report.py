@@ -368,9 +368,9 @@ def section_serve(run_dir, failed):
         sample = v["sample"].replace("\n", "\\n").replace("|", "\\|")[:120]
         out.append(f"| {name} | {v['tokens_per_s']:.1f} | `{sample}` |\n")
     out.append(
-        "\n(w4a8_rot runs kernels_quant's CPU reference here: slower than BF16 on a CPU; the bandwidth "
-        "saving "
-        "is a GPU's, with the Triton kernels.)\n"
+        "\n(w4a8_rot runs kernels_quant's CPU reference here: slower than BF16 on a CPU. The saving is "
+        "memory, not time: on an H100 the Triton W4A8 kernels were slower than a bf16 matmul too, at every "
+        "shape timed (README: Benchmarks).)\n"
     )
     m = r["mtp"]
     out.append(
