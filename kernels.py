@@ -328,20 +328,11 @@ def sparse_mla_kernel(
     tl.store(LSE + out_row, lse, mask=h < H)
 
 
-def valid_bytes(valid):
-    """The bool mask (B, T, K) as uint8 bytes: plain int8 loads in the kernels. Eager, a view (no copy);
-    under torch.compile a conversion, since inductor cannot lower a bool tensor's dtype view (seen with
-    torch 2.11 on an H100: the compiled decode step failed with "torch.bool is not supported by iinfo")."""
-    if torch.compiler.is_compiling():
-        return valid.to(torch.uint8)
-    return valid.contiguous().view(torch.uint8)
-
-
 def sparse_mla_fwd(q_abs, q_pe, latent, idx, valid, softmax_scale, num_splits=None, block_h=16, block_k=32):
     B, T, H, C = q_abs.shape
     R, K = q_pe.shape[-1], idx.shape[-1]
     q_abs, q_pe, idx = q_abs.contiguous(), q_pe.contiguous(), idx.contiguous()
-    valid = valid_bytes(valid)
+    valid = valid.contiguous().view(torch.uint8)  # bytes: plain int8 loads in the kernel
     assert latent.stride(-1) == 1, "the latent cache must be contiguous in its last dim"
     programs = B * T * cdiv(H, block_h)
     if (
@@ -478,7 +469,7 @@ def sparse_mla_bwd(
     B, T, H, C = q_abs.shape
     R, K = q_pe.shape[-1], idx.shape[-1]
     q_abs, q_pe, idx, d_o = q_abs.contiguous(), q_pe.contiguous(), idx.contiguous(), d_o.contiguous()
-    valid = valid_bytes(valid)
+    valid = valid.contiguous().view(torch.uint8)
     assert latent.stride(-1) == 1, "the latent cache must be contiguous in its last dim"
     d_q_abs = torch.empty(q_abs.shape, device=q_abs.device, dtype=q_abs.dtype)
     d_q_pe = torch.empty(q_pe.shape, device=q_pe.device, dtype=q_pe.dtype)
@@ -609,7 +600,7 @@ def sparse_mla_target(q_abs, q_pe, latent, idx, valid, lse, softmax_scale, block
         q_pe.detach().contiguous(),
         latent.detach(),
         idx.contiguous(),
-        valid_bytes(valid),
+        valid.contiguous().view(torch.uint8),
         lse.detach().contiguous(),
         p,
         T,
