@@ -97,7 +97,8 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # the state the kernels w
 
 
 def use_triton(x):
-    """Triton or torch for data like `x`: Triton on CUDA (MODE auto) or always (MODE triton); else torch."""
+    """Triton or torch for data like `x`: Triton on CUDA (MODE auto, outside torch.compile) or always (MODE
+    triton); else torch."""
     if MODE == "torch" or (MODE == "auto" and not (x.is_cuda and HAVE_TRITON)):
         return False
     if MODE == "auto" and torch.compiler.is_compiling():

@@ -218,7 +218,7 @@ class Sandbox:
     def command(self, argv, L, files, info_fd, env):
         a = [
             # its full path: bwrap starts with an empty environment, so a bare name is looked up in
-            # /bin:/usr/bin only, and a bwrap elsewhere on PATH passed the probe and then failed every run
+            # /bin:/usr/bin only, and a bwrap elsewhere on PATH raised FileNotFoundError in the probe's run
             shutil.which("bwrap"),
             "--unshare-user",
             "--unshare-ipc",

@@ -136,11 +136,11 @@ def tiny():
 # Kernel tests (test_kernels.py, test_kernels_quant.py): the interpreter re-run, poisoned outputs, errors
 
 
-def run_under_interpreter(test_file, min_passed):
+def run_under_interpreter(test_file):
     """Run test_file again in a fresh process with Triton's CPU interpreter on (it must be switched on
-    before triton is first imported, which other test modules do without it) and NANOGLM_KERNELS=triton;
-    fail unless at least min_passed cases passed there and none was skipped for want of a device (a child
-    that skipped every kernel case would otherwise pass too)."""
+    before triton is first imported, which other test modules do without it) and NANOGLM_KERNELS=triton.
+    Returns (exit status, cases passed, the output's tail): the caller asserts on them, so that a child that
+    failed, ran fewer cases than it should, or skipped its kernel cases for want of a device is caught."""
     pytest.importorskip("triton")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, TRITON_INTERPRET="1", NANOGLM_KERNELS="triton")
@@ -152,10 +152,12 @@ def run_under_interpreter(test_file, min_passed):
         text=True,
         timeout=600,
     )
-    passed = re.search(r"(\d+) passed", r.stdout)
+    found = re.search(r"(\d+) passed", r.stdout)
+    passed = 0
+    if found:
+        passed = int(found.group(1))
     log = r.stdout[-6000:] + r.stderr[-2000:]
-    assert r.returncode == 0 and passed and int(passed.group(1)) >= min_passed, log
-    assert "no Triton device in this process" not in r.stdout, log
+    return r.returncode, passed, log
 
 
 @contextlib.contextmanager
