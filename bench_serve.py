@@ -360,9 +360,9 @@ def bench_vs_transformers(m, tok, prompts, n_new, batches, dev, compiled=True):
     greedy = sampling.SamplingParams(max_tokens=n_new, temperature=0, ignore_eos=True)
     pages = -(-(len(prompts[0]) + n_new) // 16) * max(batches) + 8
 
-    def make_engine(b, compile_decode):
+    def make_engine(b, compiled):
         return engine.Engine(
-            m, tok, num_pages=pages, max_batch=b, prefix_cache=False, compile_decode=compile_decode
+            m, tok, num_pages=pages, max_batch=b, prefix_cache=False, compile=compiled
         )
 
     hf_generate(hf, prompts[:1], 4)  # warm-up, both

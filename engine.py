@@ -40,17 +40,22 @@ Prefill is batched: every request admitted in a step is prefilled in that step, 
 right-padded into one forward (the padding writes to a scratch page), prompts longer than prefill_chunk in
 chunks; then the step decodes every running row, the new ones included. Sampling is batched over the rows
 (one host sync per step); the model's forward itself never reads a value back (the cache's length is set
-on the host). Engine(compile_decode=True) (serve.py --compile) runs the plain decode step's forward through
-torch.compile (PyTorch 2 paper, Ansel et al. 2024; inductor fuses the small ops a toy step is made of): the
-batch is padded up to a power of two (decode_bucket; the padding rows write to the scratch page and are
-dropped), so one graph per bucket serves every batch, and the history's length is a dynamic dimension.
+on the host). Engine(compile=True) (serve.py --compile) runs the model's forwards through torch.compile
+(PyTorch 2 paper, Ansel et al. 2024; inductor fuses the small ops a toy step is made of): the plain decode
+step with the batch padded up to a power of two (decode_bucket; the padding rows write to the scratch page
+and are dropped), so one graph per bucket serves every batch, and the history's length is a dynamic
+dimension; and the main stack of the prefill and verify forwards, whose batch, length and page count turn
+dynamic at the first new shape. The graphs keep torch.compile's guards on the config (dsa_mode,
+index_quant) and drop those on the weights (module_guards_filter). The cache is written with index_put_ on
+the whole pool, which inductor does in place: through a view of one layer's pages, each compiled step
+copied the whole pool back, a cost that grew with the pool (4 ms a step at 1,000 pages).
 
 Honest limits: a long prompt's chunks all run in the step that admits it (vLLM interleaves them with other
 rows' decode steps, which keeps decode latency flat); rows of very different lengths prefill in separate
 forwards. Pages for prompt + max_tokens are reserved at admission (no preemption). One process, one
-device. compile_decode covers the plain decode step only (prefill, MTP drafts and verify forwards run
-eager); each bucket compiles on first use, up to three graphs (a first length, any length, a length on a
-page boundary; tens of seconds each on a CPU), and its greedy outputs equal the eager path's in the tests,
+device. compile=True leaves the MTP block's drafts and the sampling eager; each decode bucket compiles on
+first use, up to three graphs (a first length, any length, a length on a page boundary; tens of seconds
+each on a CPU), the prefill two or three more, and its greedy outputs equal the eager path's in the tests,
 not bit for bit its logits (fused kernels round differently). The MTP block's drafts 2..N reuse its cache
 slots at the next positions, an approximation that lowers the accept rate but never changes the output. A
 weight update holds two copies of the weights while it loads, and recomputes each running request's cache
@@ -116,6 +121,19 @@ def load_model(path, device="cpu", dtype=None):
 
 # -----------------------------------------------------------------------------
 # Scheduling: which admitted rows prefill together
+
+
+def module_guards_filter(entries):
+    """torch.compile's guard filter for the engine's graphs: drop the guards on the model's modules (their
+    parameters' ids, shapes and strides, their int attributes; ~1,400 checks, 0.35 ms of a 3.5 ms
+    batch-32 step on a CPU) except the ones that change what the graph computes: the config's fields
+    (dsa_mode, index_quant, ...) and `training`. The weights may change in place (update_weights copies
+    into them), never their shapes: a model with other shapes is a new Engine."""
+    keep = []
+    for e in entries:
+        on_module = e.orig_guard.source.is_unspecialized_nn_module()
+        keep.append(not on_module or ".cfg" in e.name or ".config" in e.name or ".training" in e.name)
+    return keep
 
 
 def decode_bucket(n, max_batch):
@@ -207,7 +225,7 @@ class Engine:
         version=0,
         prefill_chunk=512,
         in_place=True,
-        compile_decode=False,
+        compile=False,
     ):
         self.model = model
         self.tok = tok
@@ -234,15 +252,19 @@ class Engine:
         self.stats = collections.Counter()  # prefill_tokens, cached_tokens, decode_steps, recomputed_tokens
         self.version = version  # the policy version of the weights in use; it only increases
         self.step_lock = threading.Lock()  # held by step(); a weight update swaps between two steps
-        self.compiled = None  # compile_decode: decode_logits through torch.compile (inductor), else eager
-        if compile_decode:
-            # one graph per batch bucket; the history's length is a dynamic dimension, not a recompile.
+        # compile: decode_logits and layers (the prefill's and verify's forward) through torch.compile
+        # (inductor), else None and both run eager
+        self.compiled = self.compiled_layers = None
+        if compile:
+            # decode: one graph per batch bucket; the history's length is a dynamic dimension, not a
+            # recompile. Prefill: its batch, length and page count turn dynamic at the first new shape.
             # On a CPU, cpp_wrapper makes inductor call its kernels from generated C++ instead of Python:
-            # a toy step is ~140 small ops, and that took batch 1 from 4.3 to 3.1-3.5 ms a step (batch 32,
-            # bound by its matmuls, did not change)
+            # a toy step is ~140 small ops, and that took batch 1 from 4.3 to 3.1-3.5 ms a step
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
-            options = {"cpp_wrapper": True} if self.device.type == "cpu" else None
+            options = {"cpp_wrapper": True} if self.device.type == "cpu" else {}
+            options["guard_filter_fn"] = module_guards_filter
             self.compiled = torch.compile(self.decode_logits, dynamic=None, options=options)
+            self.compiled_layers = torch.compile(self.layers, dynamic=None, options=options)
 
     # --- submission ---------------------------------------------------------------------
 
@@ -408,38 +430,49 @@ class Engine:
 
     def place(self, rows, starts, T, pad=0, width=0):
         """Point the cache at these rows' pages. starts: each row's first position (host ints) ->
-        positions (B, T) and their RoPE cos, sin. A row's positions past its own pages (right padding)
+        positions (B, T). A row's positions past its own pages (right padding)
         land on the scratch page; so do `pad` extra rows at position 0 (a compiled step's batch bucket).
         width: the page tables' least width (a compiled step's is fixed, so no page count recompiles)."""
         P = self.cache.page_size
-        n = max(max(len(r.pages) for r in rows), -(-(max(starts) + T) // P), width)
-        tables = [r.pages + [self.cache.scratch] * (n - len(r.pages)) for r in rows]
-        tables += [[self.cache.scratch] * n] * pad
-        self.cache.point(torch.tensor(tables, device=self.device), max(starts) + T)  # tables (B, n)
+        scratch = self.cache.scratch
+        n = max(max(len(r.pages) for r in rows), -(-(max(starts) + T) // P))  # pages the rows use
+        # only the used pages go through Python; the rest of a compiled step's fixed width (hundreds of
+        # pages) and the padding rows are one fill: a (32, 257) list of ints cost 0.8 ms a step
+        tables = torch.full((len(rows) + pad, max(n, width)), scratch, dtype=torch.long)  # (B, n)
+        tables[: len(rows), :n] = torch.tensor([r.pages + [scratch] * (n - len(r.pages)) for r in rows])
+        self.cache.point(tables.to(self.device), max(starts) + T)
         start = torch.tensor(starts + [0] * pad, device=self.device)
-        positions = start.view(-1, 1) + torch.arange(T, device=self.device)  # (B, T)
-        c = self.cfg
-        dtype = upcast(self.model.lm_head.weight).dtype
-        cos, sin = glm.rope_cos_sin(positions, c.qk_rope_head_dim, c.rope_theta, dtype)
-        return positions, cos, sin
+        return start.view(-1, 1) + torch.arange(T, device=self.device)  # (B, T)
 
     def forward(self, ids, starts, rows):
         """ids (B, T), starts: each row's first position -> h (B, T, D), the main stack's last hidden
         state (GLM5.forward's, over the pages); logits() puts the head on the positions wanted."""
-        positions, cos, sin = self.place(rows, starts, ids.shape[1])
-        return self.layers(ids, positions, cos, sin)
+        if self.compiled_layers is None:
+            return self.layers(ids, self.place(rows, starts, ids.shape[1]))
+        # compiled: the page tables at their fixed width, as in decode_step, so no page count recompiles
+        width = -(-(self.max_model_len + 1 + self.spec) // self.cache.page_size)  # a row's most pages
+        return self.compiled_layers(ids, self.place(rows, starts, ids.shape[1], width=width))
 
-    def layers(self, ids, positions, cos, sin):
-        """The main stack over the pages the cache points at: ids (B, T) -> h (B, T, D)."""
+    def rope(self, positions):
+        """positions (B, T) -> RoPE's cos, sin (B, T, R / 2), in the model's compute dtype."""
+        c = self.cfg
+        dtype = upcast(self.model.lm_head.weight).dtype
+        return glm.rope_cos_sin(positions, c.qk_rope_head_dim, c.rope_theta, dtype)
+
+    def layers(self, ids, positions):
+        """The main stack over the pages the cache points at: ids (B, T) -> h (B, T, D). What compile=True
+        compiles for the prefill (and verify) forwards."""
         m = self.model
+        cos, sin = self.rope(positions)  # inside the compiled graph, fused with its first uses
         h = m.model.embed_tokens(ids)
         for layer in m.model.layers:
             h, _, _ = layer(h, cos, sin, positions, self.cache)
         return h
 
-    def decode_logits(self, ids, positions, cos, sin):
-        """One decode step's forward: ids (B, 1) -> logits (B, V). What compile_decode=True compiles."""
-        return self.logits(self.layers(ids, positions, cos, sin)[:, -1])
+    def decode_logits(self, ids, positions):
+        """One decode step's forward: ids (B, 1) -> logits (B, V). What compile=True compiles for decode
+        (without the argmax: inductor's CPU argmax over 4,096 logits made a batch-32 step slower)."""
+        return self.logits(self.layers(ids, positions)[:, -1])
 
     def logits(self, h, last=None):
         """h (B, T, D) -> logits (B, T, V), or (B, V) at one position per row: last[i] for row i."""
@@ -452,7 +485,8 @@ class Engine:
         """The MTP block at positions starts.. with inputs (h_i, embed(t_{i+1})) -> (logits, h'): its
         logits and its output hidden state, which the next MTP step takes as its h."""
         m = self.model
-        positions, cos, sin = self.place(rows, starts, h.shape[1])
+        positions = self.place(rows, starts, h.shape[1])
+        cos, sin = self.rope(positions)
         emb = m.model.embed_tokens(next_ids)
         h2, h_norm, _, _ = m.mtp_layers[0](h, emb, cos, sin, positions, self.cache)
         return m.lm_head(h_norm), h2
@@ -460,19 +494,19 @@ class Engine:
     # --- decoding: plain, or speculative with the MTP block -----------------------------
 
     def decode_step(self, rows):
-        """One token for every running row. Compiled (compile_decode=True), the batch is padded up to its
+        """One token for every running row. Compiled (compile=True), the batch is padded up to its
         bucket (decode_bucket) with rows on the scratch page, so a few graphs cover every batch size."""
         ids = [[r.tokens[-1]] for r in rows]
         pad = width = 0
         if self.compiled is not None:
             pad = decode_bucket(len(rows), self.max_batch) - len(rows)
             width = -(-(self.max_model_len + 1) // self.cache.page_size)  # a row's most pages (no drafts)
-        positions, cos, sin = self.place(rows, [len(r.tokens) - 1 for r in rows], 1, pad, width)
+        positions = self.place(rows, [len(r.tokens) - 1 for r in rows], 1, pad, width)
         ids = torch.tensor(ids + [[0]] * pad, device=self.device)  # (B + pad, 1)
         if self.compiled is None:
-            logits = self.decode_logits(ids, positions, cos, sin)
+            logits = self.decode_logits(ids, positions)
         else:
-            logits = self.compiled(ids, positions, cos, sin)[: len(rows)]  # (B, V)
+            logits = self.compiled(ids, positions)[: len(rows)]  # (B, V)
         self.stats["decode_steps"] += 1
         self.sample_append(rows, logits)
 

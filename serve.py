@@ -636,7 +636,8 @@ def main(argv=None):
     arg(
         "--compile",
         action="store_true",
-        help="run the decode step through torch.compile, batches padded to powers of two (engine.py)",
+        help="run the decode step (batches padded to powers of two) and the prefill forward through "
+        "torch.compile (engine.py)",
     )
     arg(
         "--weight_version",
@@ -671,7 +672,7 @@ def main(argv=None):
         prefix_cache=not a.no_prefix_cache,
         default_max_tokens=a.default_max_tokens,
         version=a.weight_version,
-        compile_decode=a.compile,
+        compile=a.compile,
     )
     if a.chat:
         return terminal(eng, SamplingParams(max_tokens=512, temperature=a.temperature), not a.no_thinking)

@@ -139,8 +139,9 @@ def inductor_or_skip():
 @pytest.mark.slow
 @pytest.mark.parametrize("num_pages", [64, 24])
 def test_compiled_decode_equals_eager(ckpt, one_thread, num_pages):
-    """compile_decode=True: the decode forward through torch.compile, the batch padded to its bucket (4,
-    then 3 rows run as 4, 2, 1) with the padding on the scratch page, the history's length dynamic.
+    """compile=True: the prefill and decode forwards through torch.compile, the decode batch padded to its
+    bucket (4, then 3 rows run as 4, 2, 1) with the padding on the scratch page, the history's length
+    dynamic.
     In fp32 (the grouped experts, as served): greedy outputs equal the eager engine's and logprobs agree
     to fp32 rounding; with a pool of just the pages reserved (24) the last steps read it in place."""
     inductor_or_skip()
@@ -151,7 +152,7 @@ def test_compiled_decode_equals_eager(ckpt, one_thread, num_pages):
     graphs = torch._dynamo.utils.counters["stats"]
     for compiled in (False, True):
         before = graphs["unique_graphs"]
-        eng = engine.Engine(m, ckpt[1], num_pages=num_pages, page_size=4, compile_decode=compiled)
+        eng = engine.Engine(m, ckpt[1], num_pages=num_pages, page_size=4, compile=compiled)
         rs = [eng.submit(p, sp) for p, sp in zip(prompts, sps)]
         while eng.step():
             pass
@@ -165,6 +166,55 @@ def test_compiled_decode_equals_eager(ckpt, one_thread, num_pages):
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=1e-4)
     assert engine.decode_bucket(3, 32) == 4 and engine.decode_bucket(17, 24) == 24
     assert engine.decode_bucket(1, 32) == 1 and engine.decode_bucket(33, 32) == 33
+
+
+@pytest.mark.slow
+def test_compiled_graphs_follow_the_config_and_the_weights(one_thread):
+    """module_guards_filter drops torch.compile's guards on a model's modules, but not on its config or
+    `training`: a graph traced in one dsa_mode is not reused in another, and a weight copied in place
+    (update_weights) is read, not baked in."""
+    inductor_or_skip()
+
+    class Toy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.cfg = tiny_config(vocab_size=300)
+            self.w = torch.nn.Parameter(torch.ones(3))
+
+        def forward(self, x):
+            if self.cfg.dsa_mode == "sparse":
+                return x * self.w
+            return x + self.w
+
+    toy = Toy().eval()
+    f = torch.compile(toy.forward, options={"guard_filter_fn": engine.module_guards_filter})
+    x = torch.full((3,), 2.0)
+    toy.cfg.dsa_mode = "sparse"
+    assert f(x).tolist() == [2.0, 2.0, 2.0]
+    toy.cfg.dsa_mode = "dense"
+    assert f(x).tolist() == [3.0, 3.0, 3.0]
+    with torch.no_grad():
+        toy.w.copy_(torch.tensor([1.0, 2.0, 3.0]))
+    assert f(x).tolist() == [3.0, 4.0, 5.0]
+
+
+def test_cache_write_touches_only_its_rows():
+    """PagedCache.write puts each token at (layer, its row's page, slot) with one index_put_ on the whole
+    pool: every other layer, page and slot keeps its value."""
+    cfg = tiny_config(vocab_size=300)
+    cache = engine.PagedCache(cfg, num_pages=6, page_size=4, device="cpu", dtype=torch.float64)
+    cache.kv.normal_()
+    cache.index_k.normal_()
+    kv, ik = cache.kv.clone(), cache.index_k.clone()
+    cache.point(torch.tensor([[3, 1], [0, 5]]), 8)
+    positions = torch.tensor([[5, 6], [2, 3]])  # row 0: page 1, slots 1, 2; row 1: page 0, slots 2, 3
+    latent = torch.randn(2, 2, cache.kv.shape[-1], dtype=torch.float64)
+    index_k = torch.randn(2, 2, cache.index_k.shape[-1], dtype=torch.float64)
+    cache.write(1, positions, latent, index_k)
+    for (b, t), (page, slot) in {(0, 0): (1, 1), (0, 1): (1, 2), (1, 0): (0, 2), (1, 1): (0, 3)}.items():
+        kv[1, page, slot] = latent[b, t]
+        ik[1, page, slot] = index_k[b, t]
+    assert torch.equal(cache.kv, kv) and torch.equal(cache.index_k, ik)
 
 
 def test_prefill_groups_rows_of_similar_length():

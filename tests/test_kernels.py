@@ -379,7 +379,7 @@ def test_compiled_decode_equals_eager_on_the_gpu(case):
     out = {}
     for compiled in (False, True):
         before = graphs["unique_graphs"]
-        eng = engine.Engine(m, tok, num_pages=64, page_size=4, compile_decode=compiled)
+        eng = engine.Engine(m, tok, num_pages=64, page_size=4, compile=compiled)
         out[compiled] = eng.generate(prompts, sp)
         if compiled:  # graphs were really built: a silent fall back to eager would pass the rest
             assert graphs["unique_graphs"] > before
