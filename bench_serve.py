@@ -5,10 +5,11 @@ Serving benchmarks for engine.py, each measured side by side in one run on the s
                 GlmMoeDsaForCausalLM.generate on the same weights (our checkpoint converted in memory: the
                 names are the released ones, transformers stacks the experts), sparse attention, greedy, at
                 batch 1, 8 and 32 (one batch, all prompts of one length), and a mixed workload: requests of
-                16-128 prompt and 8-96 output tokens arriving over time, which the engine batches
-                continuously and generate serves as left-padded batches of what has arrived. At batch 1,
-                8 and 32 the engine runs twice: eager, and with its decode step compiled (compile_decode:
-                torch.compile, batches padded to powers of two; its compile time printed, not counted;
+                16-128 prompt and 8-96 output tokens arriving over time (a mean gap of 50 ms, bound by the
+                arrivals, and of 5 ms, where requests queue up), which the engine batches continuously and
+                generate serves as left-padded batches of what has arrived. The engine runs twice: eager,
+                and compiled (compile=True: torch.compile of the prefill and decode forwards, decode batches
+                padded to powers of two; the graphs built first, their time printed, not counted;
                 --no_compile leaves it out). Outputs are compared token for token. transformers is
                 optional: without it this part says so.
 1. throughput   engine.Engine (paged latent cache, continuous batching) at batch 1, 8 and 32 against a
@@ -351,7 +352,7 @@ def hf_generate(hf, prompts, n_new):
 
 def bench_vs_transformers(m, tok, prompts, n_new, batches, dev, compiled=True):
     """Same prompts, greedy, whole batches: the engine (one request per row, continuous batching), eager and
-    with its decode step compiled (compile_decode: torch.compile, batches padded to powers of two), against
+    compiled (compile=True: torch.compile, decode batches padded to powers of two), against
     transformers' generate (the batch at once). Outputs are compared token for token. The compiled engine
     is warmed up at every batch first (its graphs compiled: the time is printed, not counted)."""
     hf = to_transformers(m)
@@ -369,15 +370,12 @@ def bench_vs_transformers(m, tok, prompts, n_new, batches, dev, compiled=True):
     make_engine(1, False).generate(prompts[:1], greedy)
     engines = {b: {"eager": make_engine(b, False)} for b in batches}
     if compiled:
-        # 20 steps: a first length, then the length as a dynamic dimension, then a history that ends on a
-        # page boundary (its gathered view is contiguous: one more graph); after that nothing recompiles
-        warm_up = sampling.SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
         t0 = time.perf_counter()
         try:
             for b in batches:
                 engines[b]["compiled"] = make_engine(b, True)
-                engines[b]["compiled"].generate(prompts[:b], warm_up)
-            print(f"compiled decode: graphs for batches {batches} built in {time.perf_counter() - t0:.0f}s")
+                engines[b]["compiled"].warm_up()  # the graphs serving needs, built before any request
+            print(f"compiled engine: graphs for batches {batches} built in {time.perf_counter() - t0:.0f}s")
         except Exception as e:  # no C++ compiler for inductor, an unsupported platform
             print(f"compiled decode skipped: torch.compile failed ({type(e).__name__}: {str(e)[-600:]})")
             engines = {b: {"eager": e["eager"]} for b, e in engines.items()}
@@ -409,20 +407,29 @@ def mixed_workload(n, vocab_size, loader, seed):
     return reqs
 
 
-def bench_mixed(m, tok, n, mean_gap, max_batch, dev, loader):
-    """Requests arriving over time. The engine admits each one at the first step after it arrives and
-    finishes each at its own length (continuous batching); transformers' generate serves what has arrived
-    as one left-padded batch, up to max_batch, and the next batch waits for it (static batching, the way
-    generate is used behind a queue), each batch running to its longest request. Throughput counts only
-    the tokens requested; latency is arrival to last token."""
+def bench_mixed(m, tok, n, mean_gaps, max_batch, dev, loader, compiled=True):
+    """Requests arriving over time, at each mean gap between arrivals (a long gap: a lightly loaded server,
+    bound by the arrivals; a short one: requests queue up). The engine admits each one at the first step
+    after it arrives and finishes each at its own length (continuous batching), eager and compiled (its
+    graphs built by an untimed first pass over the same workload); transformers' generate serves what has
+    arrived as one left-padded batch, up to max_batch, and the next batch waits for it (static batching,
+    the way generate is used behind a queue), each batch running to its longest request. Throughput counts
+    only the tokens requested; latency is arrival to last token."""
     hf = to_transformers(m)
     if hf is None:
         return None
+    rows = []
+    for mean_gap in mean_gaps:
+        rows.append(mixed_once(m, tok, hf, n, mean_gap, max_batch, loader, compiled))
+    return rows
+
+
+def mixed_once(m, tok, hf, n, mean_gap, max_batch, loader, compiled):
     reqs = [(t * mean_gap, p, k) for t, p, k in mixed_workload(n, m.config.vocab_size, loader, seed=7)]
     useful = sum(k for _, _, k in reqs)
-    eng = engine.Engine(m, tok, num_pages=n * 16, page_size=16, max_batch=max_batch, prefix_cache=True)
 
-    def run_engine():
+    def run_engine(eng):
+        """-> [(output, latency)] in request order, and the wall time."""
         done = {}
         pending = [(t, i, p, k) for i, (t, p, k) in enumerate(reqs)]  # (arrival, index, prompt, max_tokens)
         live = []
@@ -460,17 +467,27 @@ def bench_mixed(m, tok, n, mean_gap, max_batch, dev, loader):
         return outs, time.perf_counter() - t0
 
     hf_out, t_hf = run_hf()
-    eng_out, t_eng = run_engine()
-    same = sum(a[0] == b[0] for a, b in zip(eng_out, hf_out))
-    lat_e = statistics.mean(x[1] for x in eng_out)
     lat_h = statistics.mean(x[1] for x in hf_out)
-    print(
-        f"mixed workload, {n} requests (prompts 16-128, outputs 8-96 tokens, mean gap "
-        f"{mean_gap * 1e3:.0f} ms): engine {useful / t_eng:.1f} tok/s, mean latency {lat_e:.2f}s; "
-        f"transformers {useful / t_hf:.1f} tok/s, mean latency {lat_h:.2f}s: {t_hf / t_eng:.2f}x "
-        f"throughput; {same}/{n} outputs identical"
+    line = (
+        f"mixed workload, {n} requests (prompts 16-128, outputs 8-96 tokens, mean gap {mean_gap * 1e3:.0f} "
+        f"ms): transformers {useful / t_hf:.1f} tok/s, mean latency {lat_h:.2f}s"
     )
-    return t_hf / t_eng
+    result = {"gap": mean_gap, "transformers": (useful / t_hf, lat_h)}
+    for name in ("eager", "compiled") if compiled else ("eager",):
+        eng = engine.Engine(
+            m, tok, num_pages=n * 16, max_batch=max_batch, prefix_cache=True, compile=name == "compiled"
+        )
+        eng.warm_up()  # compiled: builds its graphs before the first request (as serve.py --compile does)
+        eng_out, t_eng = run_engine(eng)
+        same = sum(a[0] == b[0] for a, b in zip(eng_out, hf_out))
+        lat_e = statistics.mean(x[1] for x in eng_out)
+        result[name] = (useful / t_eng, lat_e)
+        line += (
+            f"; engine {name} {useful / t_eng:.1f} tok/s, mean latency {lat_e:.2f}s = {t_hf / t_eng:.2f}x "
+            f"throughput, {lat_h / lat_e:.1f}x lower latency ({same}/{n} outputs identical)"
+        )
+    print(line, flush=True)
+    return result
 
 
 def main():
@@ -490,7 +507,9 @@ def main():
     ap.add_argument("--drafts", default="1,2,3,4")
     ap.add_argument("--contexts", default="16384,65536")
     ap.add_argument("--mixed_requests", type=int, default=48, help="requests in the mixed-length workload")
-    ap.add_argument("--mixed_gap", type=float, default=0.05, help="mean gap between their arrivals, in s")
+    ap.add_argument(
+        "--mixed_gaps", default="0.05,0.005", help="mean gaps between their arrivals, in s, one run each"
+    )
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--no_compile", action="store_true", help="part 0 without the compiled decode step")
     ap.add_argument(
@@ -533,7 +552,8 @@ def main():
         mode = m.config.dsa_mode
         m.config.dsa_mode = "sparse"  # transformers' model always selects; the toy pretrains dense
         bench_vs_transformers(m, tok, prompts, a.new_tokens, batches, dev, not a.no_compile)
-        bench_mixed(m, tok, a.mixed_requests, a.mixed_gap, max(batches), dev, loader)
+        gaps = [float(g) for g in a.mixed_gaps.split(",")]
+        bench_mixed(m, tok, a.mixed_requests, gaps, max(batches), dev, loader, not a.no_compile)
         m.config.dsa_mode = mode
     if "throughput" in parts:
         print(

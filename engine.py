@@ -65,10 +65,12 @@ only (no torch.distributed broadcast from the trainer).
 
 import collections
 import dataclasses
+import hashlib
 import os
 import queue
 import sys
 import threading
+import time
 import uuid
 
 import torch
@@ -128,12 +130,21 @@ def module_guards_filter(entries):
     parameters' ids, shapes and strides, their int attributes; ~1,400 checks, 0.35 ms of a 3.5 ms
     batch-32 step on a CPU) except the ones that change what the graph computes: the config's fields
     (dsa_mode, index_quant, ...) and `training`. The weights may change in place (update_weights copies
-    into them), never their shapes: a model with other shapes is a new Engine."""
+    into them), never their shapes within an Engine; the graphs are shared by every Engine in the process
+    (they belong to the code), so Engine.layers reads Engine.signature, its model's parameter names, shapes
+    and dtypes, and that guard keeps a graph of one model from running another's weights."""
     keep = []
     for e in entries:
         on_module = e.orig_guard.source.is_unspecialized_nn_module()
         keep.append(not on_module or ".cfg" in e.name or ".config" in e.name or ".training" in e.name)
     return keep
+
+
+def weights_signature(model):
+    """A short digest of every parameter's name, shape, dtype and device: equal for two models exactly when
+    one model's compiled graphs can run the other's weights."""
+    parts = [f"{n}:{tuple(p.shape)}:{p.dtype}:{p.device}" for n, p in model.named_parameters()]
+    return hashlib.sha1(";".join(parts).encode()).hexdigest()[:16]
 
 
 def decode_bucket(n, max_batch):
@@ -255,6 +266,7 @@ class Engine:
         # compile: decode_logits and layers (the prefill's and verify's forward) through torch.compile
         # (inductor), else None and both run eager
         self.compiled = self.compiled_layers = None
+        self.signature = weights_signature(model)
         if compile:
             # decode: one graph per batch bucket; the history's length is a dynamic dimension, not a
             # recompile. Prefill: its batch, length and page count turn dynamic at the first new shape.
@@ -447,7 +459,9 @@ class Engine:
     def forward(self, ids, starts, rows):
         """ids (B, T), starts: each row's first position -> h (B, T, D), the main stack's last hidden
         state (GLM5.forward's, over the pages); logits() puts the head on the positions wanted."""
-        if self.compiled_layers is None:
+        if self.compiled_layers is None or ids.shape[1] == 1:
+            # one token (a prompt whose prefix was cached but its last token): eager, as torch.compile
+            # would build separate graphs for a length of 1; a decode step goes through decode_step
             return self.layers(ids, self.place(rows, starts, ids.shape[1]))
         # compiled: the page tables at their fixed width, as in decode_step, so no page count recompiles
         width = -(-(self.max_model_len + 1 + self.spec) // self.cache.page_size)  # a row's most pages
@@ -462,6 +476,8 @@ class Engine:
     def layers(self, ids, positions):
         """The main stack over the pages the cache points at: ids (B, T) -> h (B, T, D). What compile=True
         compiles for the prefill (and verify) forwards."""
+        if not self.signature:  # read here so that each graph guards on it (module_guards_filter)
+            raise RuntimeError("an Engine without its model's weights_signature")
         m = self.model
         cos, sin = self.rope(positions)  # inside the compiled graph, fused with its first uses
         h = m.model.embed_tokens(ids)
@@ -700,6 +716,35 @@ class Engine:
         self.stats["recomputed_tokens"] += ids.shape[1]
 
     # --- driving it ---------------------------------------------------------------------
+
+    def warm_up(self):
+        """compile=True: build the graphs serving needs before the first request arrives, as vLLM
+        captures its CUDA graphs at start-up, so no request waits seconds for a compile. torch.compile
+        makes one graph for a first shape, a dynamic one at the next, and treats a size of 1 apart; DSA
+        selects only once a history is longer than index_topk. So: one row, then two (every larger
+        bucket reuses the two-row graph), each prefilling two short prompt lengths and one past
+        index_topk, the short ones decoding past index_topk and a page boundary. What does not fit the
+        pool or max_model_len is left out (compiled on first use). Returns the seconds taken; 0 without
+        compile. Call it before serving: it empties the prefix cache; the stats are left as they were."""
+        if self.compiled is None:
+            return 0.0
+        t0 = time.perf_counter()
+        stats = self.stats.copy()
+        k, P, V = self.cfg.index_topk, self.cache.page_size, self.cfg.vocab_size
+        short = max(2, k // 2)
+        runs = [(short, k + P + 2 - short), (short - 1, 2), (k + P + 1, 2)]  # (prompt length, max_tokens)
+        for n in (1, 2):
+            for length, max_tokens in runs:
+                sp = sampling.SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+                fits = length + max_tokens <= self.max_model_len and n <= self.max_batch
+                if not fits or n * self.pages_needed(length, sp) > self.cache.available():
+                    continue
+                prompts = [[(7 * j + i) % V for j in range(length)] for i in range(n)]
+                self.cache.flush()  # no prompt may find an earlier one's prefix: each row prefills whole
+                self.generate(prompts, sp)
+        self.cache.flush()  # the warm-up's prompts are not worth caching
+        self.stats = stats
+        return time.perf_counter() - t0
 
     def generate(self, prompts, sp):
         """Synchronous helper (tests, benchmarks): run all prompts to completion, return the Requests."""

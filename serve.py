@@ -37,7 +37,7 @@ a request becomes a prompt and a reply becomes text, is protocol.py.
 Run it:
     python serve.py --ckpt out/ckpt.pt --port 8000       # a train.py checkpoint or a save_pretrained dir
     python serve.py --ckpt out/ckpt.pt --spec 3          # with MTP speculative decoding, 3 drafts per step
-    python serve.py --ckpt out/ckpt.pt --compile         # the decode step through torch.compile
+    python serve.py --ckpt out/ckpt.pt --compile         # prefill and decode through torch.compile
     python serve.py --ckpt out/ckpt.pt --index_quant int8   # the DSA indexer in int8 (dsa.py)
     python serve.py --ckpt out_sft/ckpt.pt --chat        # terminal chat, thinking shown dimmed
     python serve.py --ckpt /tmp/q/w4a8                   # a W4A8 / W8A8 directory written by quantize.py
@@ -674,6 +674,9 @@ def main(argv=None):
         version=a.weight_version,
         compile=a.compile,
     )
+    if a.compile:  # every graph built before the first request, so none waits for a compile
+        print("compiling the prefill and decode graphs (engine.warm_up) ...", flush=True)
+        print(f"compiled in {eng.warm_up():.0f}s", flush=True)
     if a.chat:
         return terminal(eng, SamplingParams(max_tokens=512, temperature=a.temperature), not a.no_thinking)
     srv, stop = make_server(eng, a.host, a.port, a.served_model_name or a.ckpt)

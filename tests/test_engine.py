@@ -169,6 +169,35 @@ def test_compiled_decode_equals_eager(ckpt, one_thread, num_pages):
 
 
 @pytest.mark.slow
+def test_warm_up_builds_the_graphs_serving_needs(ckpt, one_thread):
+    """Engine.warm_up (serve.py --compile calls it at start-up): afterwards a workload of one row and
+    several, short and long prompts, a prompt whose prefix is cached (a one-token prefill) and decoding
+    past index_topk compiles nothing more, and its outputs equal the eager engine's."""
+    inductor_or_skip()
+    m = engine.load_model(ckpt[0]).float()
+    assert engine.Engine(m, ckpt[1], num_pages=64, page_size=4).warm_up() == 0.0  # eager: nothing to do
+    eng = engine.Engine(m, ckpt[1], num_pages=64, page_size=4, compile=True)
+    assert eng.warm_up() > 0
+    assert eng.stats["decode_steps"] == 0 and eng.cache.available() == eng.cache.num_pages
+    graphs = torch._dynamo.utils.counters["stats"]
+    before = graphs["unique_graphs"]
+    eager = engine.Engine(m, ckpt[1], num_pages=64, page_size=4)
+    # prompt 1 finds prompt 0's first 16 tokens cached and prefills its last one alone
+    prompts = [list(range(30, 47)), list(range(30, 46)) + [99], PROMPTS[1], list(range(100, 103)), PROMPTS[3]]
+    sps = [dataclasses.replace(GREEDY, max_tokens=n) for n in (6, 3, 12, 2, 9)]
+    outs = {}
+    for name, e in (("eager", eager), ("compiled", eng)):
+        alone = e.generate(prompts[:1], sps[0])
+        rest = [e.submit(p, sp) for p, sp in zip(prompts[1:], sps[1:])]
+        while e.step():
+            pass
+        outs[name] = [r.out for r in alone + rest]
+        assert rest[0].n_cached == 16
+    assert graphs["unique_graphs"] == before
+    assert outs["compiled"] == outs["eager"]
+
+
+@pytest.mark.slow
 def test_compiled_graphs_follow_the_config_and_the_weights(one_thread):
     """module_guards_filter drops torch.compile's guards on a model's modules, but not on its config or
     `training`: a graph traced in one dsa_mode is not reused in another, and a weight copied in place
@@ -196,6 +225,22 @@ def test_compiled_graphs_follow_the_config_and_the_weights(one_thread):
     with torch.no_grad():
         toy.w.copy_(torch.tensor([1.0, 2.0, 3.0]))
     assert f(x).tolist() == [3.0, 4.0, 5.0]
+
+
+@pytest.mark.slow
+def test_compiled_engines_of_two_model_shapes_in_one_process(one_thread):
+    """The compiled graphs belong to the engine's code, not to one Engine: a second model of other shapes
+    in the same process gets its own (Engine.signature), and both equal their eager engines."""
+    inductor_or_skip()
+    tok = Tokenizer(train_bpe(TEXT, 300 - len(CHAT_TOKENS)))
+    for hidden in (48, 64):
+        torch.manual_seed(0)
+        m = randomize(model.GLM5(tiny_config(vocab_size=300, hidden_size=hidden)), seed=1).eval()
+        outs = [
+            engine.Engine(m, tok, num_pages=32, page_size=4, compile=c).generate(PROMPTS[:2], GREEDY)
+            for c in (False, True)
+        ]
+        assert [r.out for r in outs[0]] == [r.out for r in outs[1]]
 
 
 def test_cache_write_touches_only_its_rows():
