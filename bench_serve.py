@@ -38,6 +38,9 @@ Serving benchmarks for engine.py, each measured side by side in one run on the s
                 bound does not count). The cache is filled with random latents: prefilling 64K tokens
                 densely on a CPU takes too long, and the step's cost does not depend on the values.
 
+4. memory       the engine's cache bytes per token (the latent and the indexer key, every layer) against a
+                dense multi-head K/V cache of the same attention, toy and full size, fp32 and bf16.
+
 Run it:
     python train.py configs/toy.py          # first: the trained toy checkpoint (out/ckpt.pt), parts 1-2
     python bench_serve.py                   # every part; about 10-20 min on 2 CPU cores
@@ -301,6 +304,33 @@ def bench_dsa(contexts, reps, dev, dtype):
     return rows
 
 
+def bench_memory():
+    """The engine's cache bytes per token (every layer, MTP included), read off a PagedCache as the engine
+    allocates it, against the dense multi-head K and V cache the same attention would need without MLA
+    (each head's full key, qk_head_dim values, and value, v_head_dim values, per token per layer), for the
+    toy and GLM-5's published shapes, fp32 and bf16, the indexer key in float and in int8."""
+    rows = []
+    for name in ("toy", "full"):
+        cfg, _ = glm.load_config_file(os.path.join(HERE, f"configs/{name}.py"))
+        for dtype in (torch.float32, torch.bfloat16):
+            for index_quant in ("none", "int8"):
+                cfg.index_quant = index_quant
+                cache = paged_cache.PagedCache(cfg, 1, 1, "cpu", dtype)  # one page of one token
+                L = cache.kv.shape[0]
+                ours = sum(t[:, 0].numel() * t.element_size() for t in (cache.kv, cache.index_k))  # 1 token
+                size = torch.finfo(dtype).bits // 8
+                mha = L * cfg.num_attention_heads * (cfg.qk_head_dim + cfg.v_head_dim) * size
+                rows.append((name, dtype, index_quant, ours, mha))
+                print(
+                    f"{name:>4}, {str(dtype)[6:]:>8}, indexer key {index_quant:>4}: {ours / 1e3:8.1f} KB per "
+                    f"token ({L} layers: the latent [c_kv | k_pe] and the index key); a dense MHA cache "
+                    f"{mha / 1e3:9.1f} KB: {mha / ours:.1f}x smaller",
+                    flush=True,
+                )
+        cfg.index_quant = "none"
+    return rows
+
+
 def copy_bandwidth(dev):
     """Bytes per second of one large copy (read + write), the best of 3: the memory bound's speed."""
     x = torch.ones(64 * 2**20, device=dev)  # 256 MiB of fp32
@@ -495,7 +525,7 @@ def main():
     ap.add_argument(
         "--ckpt", default=os.path.join(HERE, "out/ckpt.pt"), help="train.py checkpoint or save_pretrained dir"
     )
-    ap.add_argument("--parts", default="transformers,throughput,mtp,dsa")
+    ap.add_argument("--parts", default="transformers,throughput,mtp,dsa,memory")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--prompt_len", type=int, default=64)
     ap.add_argument("--new_tokens", type=int, default=64)
@@ -517,7 +547,7 @@ def main():
     )
     a = ap.parse_args()
     parts = set(a.parts.split(","))
-    known = {"transformers", "throughput", "mtp", "dsa"}
+    known = {"transformers", "throughput", "mtp", "dsa", "memory"}
     if parts - known:
         raise SystemExit(f"unknown part(s) {sorted(parts - known)}; choose from {', '.join(sorted(known))}")
     dev = pick_device(a.device)
@@ -580,6 +610,9 @@ def main():
             f"\n== 3. one GLM-5 layer's decode step, batch 1, {dtype}: DSA (top-2048) vs dense attention =="
         )
         bench_dsa([int(s) for s in a.contexts.split(",")], a.reps, dev, dtype)
+    if "memory" in parts:
+        print("\n== 4. cache bytes per token: the engine's paged latent cache against a dense MHA K/V cache ==")
+        bench_memory()
 
 
 if __name__ == "__main__":

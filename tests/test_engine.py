@@ -613,3 +613,15 @@ def test_refused_weight_updates_change_nothing(ckpt, ckpt_v1, tmp_path, one_thre
         with pytest.raises(engine.VersionConflict):
             eng.update_weights(ckpt[0], version)
     assert eng.version == 5
+
+
+def test_bench_serve_cache_bytes_per_token():
+    """bench_serve's memory part reads the engine's own cache: at GLM-5's shapes in bf16, 78 + 1 layers x
+    (512 + 64 latent values + a 128-value index key) x 2 bytes, against 64 heads x (256 + 256) x 2 bytes a
+    layer for dense MHA; the int8 index key is 128 bytes + a 4-byte scale."""
+    import bench_serve
+
+    rows = {(n, d, q): (ours, mha) for n, d, q, ours, mha in bench_serve.bench_memory()}
+    assert rows[("full", torch.bfloat16, "none")] == (79 * 704 * 2, 79 * 64 * 512 * 2)
+    assert rows[("full", torch.bfloat16, "int8")][0] == 79 * (576 * 2 + 132)
+    assert rows[("toy", torch.float32, "none")][0] == 5 * (48 + 32) * 4
