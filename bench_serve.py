@@ -407,7 +407,7 @@ def bench_vs_transformers(m, tok, prompts, n_new, batches, dev, compiled=True):
                 engines[b]["compiled"].warm_up()  # the graphs serving needs, built before any request
             print(f"compiled engine: graphs for batches {batches} built in {time.perf_counter() - t0:.0f}s")
         except Exception as e:  # no C++ compiler for inductor, an unsupported platform
-            print(f"compiled decode skipped: torch.compile failed ({type(e).__name__}: {str(e)[-600:]})")
+            print(f"compiled engine skipped: torch.compile failed ({type(e).__name__}: {str(e)[-600:]})")
             engines = {b: {"eager": e["eager"]} for b, e in engines.items()}
     rows = []
     for b in batches:
@@ -441,7 +441,7 @@ def bench_mixed(m, tok, n, mean_gaps, max_batch, dev, loader, compiled=True):
     """Requests arriving over time, at each mean gap between arrivals (a long gap: a lightly loaded server,
     bound by the arrivals; a short one: requests queue up). The engine admits each one at the first step
     after it arrives and finishes each at its own length (continuous batching), eager and compiled (its
-    graphs built by an untimed first pass over the same workload); transformers' generate serves what has
+    graphs built first by Engine.warm_up, not timed); transformers' generate serves what has
     arrived as one left-padded batch, up to max_batch, and the next batch waits for it (static batching,
     the way generate is used behind a queue), each batch running to its longest request. Throughput counts
     only the tokens requested; latency is arrival to last token."""
@@ -503,7 +503,10 @@ def mixed_once(m, tok, hf, n, mean_gap, max_batch, loader, compiled):
         f"ms): transformers {useful / t_hf:.1f} tok/s, mean latency {lat_h:.2f}s"
     )
     result = {"gap": mean_gap, "transformers": (useful / t_hf, lat_h)}
-    for name in ("eager", "compiled") if compiled else ("eager",):
+    names = ["eager"]
+    if compiled:
+        names.append("compiled")
+    for name in names:
         eng = engine.Engine(
             m, tok, num_pages=n * 16, max_batch=max_batch, prefix_cache=True, compile=name == "compiled"
         )
@@ -541,7 +544,7 @@ def main():
         "--mixed_gaps", default="0.05,0.005", help="mean gaps between their arrivals, in s, one run each"
     )
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--no_compile", action="store_true", help="part 0 without the compiled decode step")
+    ap.add_argument("--no_compile", action="store_true", help="part 0 without the compiled engine")
     ap.add_argument(
         "--threads", type=int, default=0, help="torch threads (0: torch's default); 1 on a busy machine"
     )
@@ -611,7 +614,7 @@ def main():
         )
         bench_dsa([int(s) for s in a.contexts.split(",")], a.reps, dev, dtype)
     if "memory" in parts:
-        print("\n== 4. cache bytes per token: the engine's paged latent cache against a dense MHA K/V cache ==")
+        print("\n== 4. cache bytes per token: the engine's paged latent cache against a dense MHA K/V one ==")
         bench_memory()
 
 

@@ -44,19 +44,20 @@ on the host). Engine(compile=True) (serve.py --compile) runs the model's forward
 (PyTorch 2 paper, Ansel et al. 2024; inductor fuses the small ops a toy step is made of): the plain decode
 step with the batch padded up to a power of two (decode_bucket; the padding rows write to the scratch page
 and are dropped), so one graph per bucket serves every batch, and the history's length is a dynamic
-dimension; and the main stack of the prefill and verify forwards, whose batch, length and page count turn
-dynamic at the first new shape. The graphs keep torch.compile's guards on the config (dsa_mode,
-index_quant) and drop those on the weights (module_guards_filter). The cache is written with index_put_ on
-the whole pool, which inductor does in place: through a view of one layer's pages, each compiled step
-copied the whole pool back, a cost that grew with the pool (4 ms a step at 1,000 pages).
+dimension; and the main stack of the prefill and verify forwards, whose batch and length turn dynamic at
+the first new shape (the page tables are padded to a fixed width). The graphs keep torch.compile's guards
+on the config (dsa_mode, index_quant) and drop those on the weights (module_guards_filter). The cache is
+written with index_put_ on the whole pool, which inductor does in place: through a view of one layer's
+pages, each compiled step copied the whole pool back, a cost that grew with the pool (4 ms a step at 1,000
+pages).
 
 Honest limits: a long prompt's chunks all run in the step that admits it (vLLM interleaves them with other
 rows' decode steps, which keeps decode latency flat); rows of very different lengths prefill in separate
 forwards. Pages for prompt + max_tokens are reserved at admission (no preemption). One process, one
-device. compile=True leaves the MTP block's drafts and the sampling eager; each decode bucket compiles on
-first use, up to three graphs (a first length, any length, a length on a page boundary; tens of seconds
-each on a CPU), the prefill two or three more, and its greedy outputs equal the eager path's in the tests,
-not bit for bit its logits (fused kernels round differently). The MTP block's drafts 2..N reuse its cache
+device. compile=True leaves the MTP block's drafts and the sampling eager; its graphs (about ten: one row
+and several, histories on both sides of index_topk; seconds each on a CPU) are built by warm_up, or on
+first use without it, and its greedy outputs equal the eager path's in the tests, not bit for bit its
+logits (fused kernels round differently). The MTP block's drafts 2..N reuse its cache
 slots at the next positions, an approximation that lowers the accept rate but never changes the output. A
 weight update holds two copies of the weights while it loads, and recomputes each running request's cache
 with one prefill (AReaL's choice; SGLang can also keep the stale cache or abort); weights come from disk
@@ -141,9 +142,13 @@ def module_guards_filter(entries):
 
 
 def weights_signature(model):
-    """A short digest of every parameter's name, shape, dtype and device: equal for two models exactly when
-    one model's compiled graphs can run the other's weights."""
-    parts = [f"{n}:{tuple(p.shape)}:{p.dtype}:{p.device}" for n, p in model.named_parameters()]
+    """A short digest of what the dropped module guards checked: every parameter's and buffer's name, shape,
+    dtype and device (quantized weights live in buffers), each module's class, and the config (eps,
+    scales and sizes come from it). Taken when the Engine is built: a model changed after that (cast,
+    quantized) needs a new Engine."""
+    parts = [f"{n}:{tuple(t.shape)}:{t.dtype}:{t.device}" for n, t in model.state_dict().items()]
+    parts += [f"{n}:{type(mod).__name__}" for n, mod in model.named_modules()]
+    parts.append(repr(model.config))
     return hashlib.sha1(";".join(parts).encode()).hexdigest()[:16]
 
 
@@ -265,18 +270,25 @@ class Engine:
         self.step_lock = threading.Lock()  # held by step(); a weight update swaps between two steps
         # compile: decode_logits and layers (the prefill's and verify's forward) through torch.compile
         # (inductor), else None and both run eager
-        self.compiled = self.compiled_layers = None
+        self.compiled = None
+        self.compiled_layers = None
         self.signature = weights_signature(model)
         if compile:
             # decode: one graph per batch bucket; the history's length is a dynamic dimension, not a
-            # recompile. Prefill: its batch, length and page count turn dynamic at the first new shape.
+            # recompile. Prefill: its batch and length turn dynamic at the first new shape.
             # On a CPU, cpp_wrapper makes inductor call its kernels from generated C++ instead of Python:
             # a toy step is ~140 small ops, and that took batch 1 from 4.3 to 3.1-3.5 ms a step
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
-            options = {"cpp_wrapper": True} if self.device.type == "cpu" else {}
-            options["guard_filter_fn"] = module_guards_filter
-            self.compiled = torch.compile(self.decode_logits, dynamic=None, options=options)
-            self.compiled_layers = torch.compile(self.layers, dynamic=None, options=options)
+            self.compiled = torch.compile(self.decode_logits, dynamic=None, options=self.compile_options())
+            # a fresh dict each: torch.compile pops guard_filter_fn out of the one it is given
+            self.compiled_layers = torch.compile(self.layers, dynamic=None, options=self.compile_options())
+
+    def compile_options(self):
+        """torch.compile's options for the engine's graphs (a new dict per call)."""
+        options = {"guard_filter_fn": module_guards_filter}
+        if self.device.type == "cpu":
+            options["cpp_wrapper"] = True
+        return options
 
     # --- submission ---------------------------------------------------------------------
 
@@ -724,13 +736,17 @@ class Engine:
         selects only once a history is longer than index_topk. So: one row, then two (every larger
         bucket reuses the two-row graph), each prefilling two short prompt lengths and one past
         index_topk, the short ones decoding past index_topk and a page boundary. What does not fit the
-        pool or max_model_len is left out (compiled on first use). Returns the seconds taken; 0 without
-        compile. Call it before serving: it empties the prefix cache; the stats are left as they were."""
+        pool or max_model_len is left out (compiled on first use), and so is reading a small pool in place
+        (PagedCache.point: a pool at most twice the longest history), which builds its own graphs the first
+        time a long request meets a small pool. Returns the seconds taken; 0 without compile. Call it before
+        serving: it empties the prefix cache; the stats are left as they were."""
         if self.compiled is None:
             return 0.0
         t0 = time.perf_counter()
         stats = self.stats.copy()
-        k, P, V = self.cfg.index_topk, self.cache.page_size, self.cfg.vocab_size
+        k = self.cfg.index_topk
+        P = self.cache.page_size
+        V = self.cfg.vocab_size
         short = max(2, k // 2)
         runs = [(short, k + P + 2 - short), (short - 1, 2), (k + P + 1, 2)]  # (prompt length, max_tokens)
         for n in (1, 2):

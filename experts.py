@@ -173,7 +173,7 @@ def experts_grouped(x, counts, gate_up, down):
     return F.grouped_mm(F.silu(g) * u, down.transpose(-2, -1), offs=offs)  # (rows, D)
 
 
-# torch.compile (engine.py's compiled decode step) traces with fake tensors, and on a CPU the fake of torch's
+# torch.compile (engine.py's compiled forwards) traces with fake tensors, and on a CPU the fake of torch's
 # grouped GEMM asks for bf16 where the real one takes fp32 too: compiled, experts_grouped runs as one opaque
 # op whose output shape is declared here, so the same kernel runs and the graph does not break.
 @torch.library.custom_op("nanoglm::experts_grouped", mutates_args=())

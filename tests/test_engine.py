@@ -10,6 +10,7 @@ import dataclasses
 import pytest
 import torch
 
+import dsa
 import engine
 import model
 import sampling
@@ -169,17 +170,28 @@ def test_compiled_decode_equals_eager(ckpt, one_thread, num_pages):
 
 
 @pytest.mark.slow
-def test_warm_up_builds_the_graphs_serving_needs(ckpt, one_thread):
+def test_warm_up_builds_the_graphs_serving_needs(ckpt, one_thread, monkeypatch):
     """Engine.warm_up (serve.py --compile calls it at start-up): afterwards a workload of one row and
     several, short and long prompts, a prompt whose prefix is cached (a one-token prefill) and decoding
     past index_topk compiles nothing more, and its outputs equal the eager engine's."""
     inductor_or_skip()
     m = engine.load_model(ckpt[0]).float()
     assert engine.Engine(m, ckpt[1], num_pages=64, page_size=4).warm_up() == 0.0  # eager: nothing to do
-    eng = engine.Engine(m, ckpt[1], num_pages=64, page_size=4, compile=True)
-    assert eng.warm_up() > 0
-    assert eng.stats["decode_steps"] == 0 and eng.cache.available() == eng.cache.num_pages
+    calls = []
+    module_guards_filter = engine.module_guards_filter
+
+    def counted(entries):  # the filter reaches every graph, the prefill's too (not only decode's)
+        calls.append(len(entries))
+        return module_guards_filter(entries)
+
+    monkeypatch.setattr(engine, "module_guards_filter", counted)
+    torch._dynamo.reset()  # no graph left from an earlier test: warm_up builds every one it needs
     graphs = torch._dynamo.utils.counters["stats"]
+    first = graphs["unique_graphs"]
+    eng = engine.Engine(m, ckpt[1], num_pages=64, page_size=4, compile=True)
+    eng.warm_up()
+    assert len(calls) == graphs["unique_graphs"] - first > 0
+    assert eng.stats["decode_steps"] == 0 and eng.cache.available() == eng.cache.num_pages
     before = graphs["unique_graphs"]
     eager = engine.Engine(m, ckpt[1], num_pages=64, page_size=4)
     # prompt 1 finds prompt 0's first 16 tokens cached and prefills its last one alone
@@ -217,6 +229,7 @@ def test_compiled_graphs_follow_the_config_and_the_weights(one_thread):
 
     toy = Toy().eval()
     f = torch.compile(toy.forward, options={"guard_filter_fn": engine.module_guards_filter})
+    # (the weights are graph inputs whatever the filter: the last check guards against freezing them)
     x = torch.full((3,), 2.0)
     toy.cfg.dsa_mode = "sparse"
     assert f(x).tolist() == [2.0, 2.0, 2.0]
@@ -243,23 +256,32 @@ def test_compiled_engines_of_two_model_shapes_in_one_process(one_thread):
         assert [r.out for r in outs[0]] == [r.out for r in outs[1]]
 
 
-def test_cache_write_touches_only_its_rows():
+@pytest.mark.parametrize("index_quant", ["none", "int8"])
+def test_cache_write_touches_only_its_rows(index_quant, monkeypatch):
     """PagedCache.write puts each token at (layer, its row's page, slot) with one index_put_ on the whole
-    pool: every other layer, page and slot keeps its value."""
-    cfg = tiny_config(vocab_size=300)
+    pool: every other layer, page and slot keeps its value (int8: the packed key dsa.to_index_cache makes).
+    The history it returns equals the one the compiled path indexes (pool rows, not gathered pages)."""
+    cfg = tiny_config(vocab_size=300, index_quant=index_quant)
     cache = engine.PagedCache(cfg, num_pages=6, page_size=4, device="cpu", dtype=torch.float64)
     cache.kv.normal_()
-    cache.index_k.normal_()
-    kv, ik = cache.kv.clone(), cache.index_k.clone()
+    cache.index_k.copy_(torch.randint(-100, 100, cache.index_k.shape))
+    kv = cache.kv.clone()
+    ik = cache.index_k.clone()
     cache.point(torch.tensor([[3, 1], [0, 5]]), 8)
     positions = torch.tensor([[5, 6], [2, 3]])  # row 0: page 1, slots 1, 2; row 1: page 0, slots 2, 3
     latent = torch.randn(2, 2, cache.kv.shape[-1], dtype=torch.float64)
-    index_k = torch.randn(2, 2, cache.index_k.shape[-1], dtype=torch.float64)
-    cache.write(1, positions, latent, index_k)
+    index_k = torch.randn(2, 2, cfg.index_head_dim, dtype=torch.float64)
+    history = cache.write(1, positions, latent, index_k)
+    packed = dsa.to_index_cache(index_k, cache.index_k.dtype)
     for (b, t), (page, slot) in {(0, 0): (1, 1), (0, 1): (1, 2), (1, 0): (0, 2), (1, 1): (0, 3)}.items():
         kv[1, page, slot] = latent[b, t]
-        ik[1, page, slot] = index_k[b, t]
-    assert torch.equal(cache.kv, kv) and torch.equal(cache.index_k, ik)
+        ik[1, page, slot] = packed[b, t]
+    assert torch.equal(cache.kv, kv)
+    assert torch.equal(cache.index_k, ik)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)  # the form inductor traces
+    compiled = cache.write(1, positions, latent, index_k)
+    assert torch.equal(compiled[0], history[0])
+    assert torch.equal(compiled[1], history[1])
 
 
 def test_prefill_groups_rows_of_similar_length():
