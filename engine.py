@@ -273,6 +273,9 @@ class Engine:
         self.compiled = None
         self.compiled_layers = None
         self.signature = weights_signature(model)
+        # a compiled forward's page tables are this wide (a row's most pages, drafts included), so the
+        # page count never recompiles a graph
+        self.table_width = -(-(self.max_model_len + 1 + self.spec) // self.cache.page_size)
         if compile:
             # decode: one graph per batch bucket; the history's length is a dynamic dimension, not a
             # recompile. Prefill: its batch and length turn dynamic at the first new shape.
@@ -476,8 +479,7 @@ class Engine:
             # would build separate graphs for a length of 1; a decode step goes through decode_step
             return self.layers(ids, self.place(rows, starts, ids.shape[1]))
         # compiled: the page tables at their fixed width, as in decode_step, so no page count recompiles
-        width = -(-(self.max_model_len + 1 + self.spec) // self.cache.page_size)  # a row's most pages
-        return self.compiled_layers(ids, self.place(rows, starts, ids.shape[1], width=width))
+        return self.compiled_layers(ids, self.place(rows, starts, ids.shape[1], width=self.table_width))
 
     def rope(self, positions):
         """positions (B, T) -> RoPE's cos, sin (B, T, R / 2), in the model's compute dtype."""
@@ -528,7 +530,7 @@ class Engine:
         pad = width = 0
         if self.compiled is not None:
             pad = decode_bucket(len(rows), self.max_batch) - len(rows)
-            width = -(-(self.max_model_len + 1) // self.cache.page_size)  # a row's most pages (no drafts)
+            width = self.table_width
         positions = self.place(rows, [len(r.tokens) - 1 for r in rows], 1, pad, width)
         ids = torch.tensor(ids + [[0]] * pad, device=self.device)  # (B + pad, 1)
         if self.compiled is None:

@@ -36,6 +36,13 @@ import torch
 import dsa
 
 
+def pool_rows(tables, S, P):
+    """Page tables (B, n) -> each row's positions 0..S-1 as rows of the flat pool (pages x P slots):
+    (B, S), the position's page times P plus its slot."""
+    s = torch.arange(S, device=tables.device)
+    return tables[:, s // P] * P + s % P
+
+
 class PagedCache:
     """Pages of `page_size` tokens, per layer (main layers, then MTP): the latent [c_kv | k_pe] and the
     indexer key. Before each forward the engine sets `tables` (B, max pages) of page ids; write() then
@@ -72,8 +79,7 @@ class PagedCache:
         P = self.page_size
         self.rows = None
         if self.in_place and self.kv.shape[1] * P <= 2 * length:
-            s = torch.arange(length, device=tables.device)
-            self.rows = tables[:, s // P] * P + s % P  # (B, S)
+            self.rows = pool_rows(tables, length, P)  # (B, S)
 
     def write(self, layer_id, positions, latent, index_k):
         """positions (B, T); latent (B, T, C + R); index_k (B, T, index_head_dim) -> every row's
@@ -102,8 +108,7 @@ class PagedCache:
         # compiled, inductor turns the page indexing into its own loop; index_select there made the
         # compiled decode step 1.5x slower (batch 32, bench_serve.py part 0)
         if torch.compiler.is_compiling():
-            s = torch.arange(S, device=t.device)
-            rows = t[:, s // P] * P + s % P  # (B, S) each position's pool row
+            rows = pool_rows(t, S, P)  # (B, S)
             kv = kv_pool[rows]  # (B, S, C + R)
             index_k = index_pool[rows]  # (B, S, Ki)
         else:
