@@ -49,6 +49,7 @@ import torch.nn.functional as F
 
 import dsa
 import experts
+import linear
 from dsa import upcast
 
 # -----------------------------------------------------------------------------
@@ -174,9 +175,9 @@ class ModelConfig:
 # Linear, norms and RoPE
 
 
-class Linear(nn.Linear):
-    """nn.Linear minus its own initialisation: GLM5.init_weights initialises every weight in one place
-    (and building the 744B model on the meta device stays fast)."""
+class Linear(linear.Linear):
+    """nn.Linear (through linear.py's CPU inference path) minus its own initialisation: GLM5.init_weights
+    initialises every weight in one place (and building the 744B model on the meta device stays fast)."""
 
     def reset_parameters(self):
         pass

@@ -1,0 +1,80 @@
+"""
+The inference linear layer on a CPU: x @ W.T through oneDNN's GEMM instead of torch's default one.
+
+Every projection in model.py and the indexer's in dsa.py is this file's Linear. On a GPU, in training, and
+under torch.compile it is exactly F.linear. On a CPU, with no gradient to take and fp32 data, it calls
+oneDNN (torch.ops.mkldnn._linear_pointwise, the op inductor's CPU backend uses for linears once it has
+frozen a model's weights), because torch's own fp32 matmul there calls MKL's sgemm, which on the machine
+this was measured on (an AMD EPYC, 2 cores, AVX-512) was much slower:
+
+    one GLM-5 layer's projections, batch 1, fp32   MKL (F.linear)     oneDNN
+    o_proj, 16384 -> 6144 (403 MB)                 28-31 GB/s         36-38 GB/s
+    q_b_proj, 2048 -> 16384 (134 MB)               18-24 GB/s         31-35 GB/s
+    o_proj at 32 rows                              7.4 GB/s           16-22 GB/s
+    (the same machine copies memory at 40-45 GB/s, read + write; MKL ran one thread where oneDNN ran two)
+
+A decode step reads every weight once, so its time is these rates: bench_serve.py part 3 (one GLM-5 layer
+at 64K tokens) went from about 34 to 28 ms. Nothing in the weights changes: they stay plain tensors, read
+by oneDNN as they are (no prepacking, so loading, saving and weight updates from RL see the same
+parameters).
+
+oneDNN's call costs about 10 us more than MKL's (it looks up its compiled primitive), which the toy model's
+128-wide layers would pay on every call, so the fast path is taken from 2^20 multiply-adds up (measured on
+the same machine: below that the two are within a few us, or MKL wins). Rows and weights of other dtypes
+(fp64 in the exact tests, bf16, which torch already sends to oneDNN) take F.linear.
+
+Reference and switch: F.linear is the reference; NANOGLM_KERNELS=torch (kernels.py's switch) takes it
+everywhere. tests/test_linear.py checks the two agree and when each is taken.
+
+Honest limits: the two differ in the last bits of fp32 (a different order of summation, ~1e-6 relative),
+as MKL itself does between batch sizes, so CPU greedy outputs can differ from before this file existed
+where two tokens' logits were that close. On an Intel CPU MKL may well be as fast; the choice was not
+measured there. Inside torch.compile the graphs keep F.linear (inductor lowers the oneDNN op only for
+frozen weights), so the compiled engine does not get this speed-up.
+Run: python -m pytest -q tests/test_linear.py
+"""
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import kernels
+
+ONEDNN_MIN_MACS = 2**20  # rows x in x out below which oneDNN's ~10 us call overhead is not repaid
+
+
+def uses_onednn(x, weight, bias=None):
+    """True where linear() takes oneDNN's GEMM: a CPU, fp32 rows and weight (and bias), no gradient to take,
+    not inside torch.compile, oneDNN present, contiguous rows and a weight that is contiguous or the
+    transpose of a contiguous one, and at least ONEDNN_MIN_MACS multiply-adds."""
+    if kernels.MODE == "torch" or x.device.type != "cpu":
+        return False
+    if x.dtype != torch.float32 or weight.dtype != torch.float32:
+        return False
+    if bias is not None and bias.dtype != torch.float32:
+        return False
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return False  # the oneDNN op has no backward
+    if bias is not None and torch.is_grad_enabled() and bias.requires_grad:
+        return False
+    if torch.compiler.is_compiling() or not torch.backends.mkldnn.is_available():
+        return False
+    if not x.is_contiguous() or not (weight.is_contiguous() or weight.t().is_contiguous()):
+        return False  # oneDNN's unpacked path took 640 ms for a 0.4 ms GEMM on a weight with strided rows
+    out_features, in_features = weight.shape
+    rows = x.numel() // max(in_features, 1)
+    return rows * in_features * out_features >= ONEDNN_MIN_MACS
+
+
+def linear(x, weight, bias=None):
+    """F.linear(x, weight, bias): x (..., in) -> (..., out), through oneDNN where uses_onednn says so."""
+    if uses_onednn(x, weight, bias):
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [None], "")
+    return F.linear(x, weight, bias)
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose forward is linear() above: the same parameters, names and state_dict."""
+
+    def forward(self, x):
+        return linear(x, self.weight, self.bias)
