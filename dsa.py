@@ -86,13 +86,20 @@ class Indexer(nn.Module):
         return index_scores(q, w, k_all, self.softmax_scale)
 
 
-def index_scores(q, w, k_all, softmax_scale):
+def index_scores(q, w, k_all, softmax_scale, work=None):
     """The lightning indexer: I[t, s] = sum_j w[t, j] ReLU(q[t, j] . k[s] * scale) -> (B, T, S) fp32,
     no mask (causal_index_scores adds the causal one). k_all (B, S, Di), or (S, Di) keys shared by every
-    row (a page pool, read in place: one matmul, no per-row copy)."""
-    pattern = "bthd,bsd->bths" if k_all.dim() == 3 else "bthd,sd->bths"
+    row (a page pool, read in place: one matmul, no per-row copy, its (B, T, Hi, N) products written into
+    a buffer of `work` reused across steps: see reused)."""
+    B, T, Hi, Di = q.shape
     with torch.autocast(q.device.type, enabled=False):  # fp32 scores, also under autocast
-        dots = torch.einsum(pattern, q, upcast(k_all).to(q.dtype))  # (B, T, Hi, S)
+        k = upcast(k_all).to(q.dtype)
+        if k_all.dim() == 2:  # a pool: one (B T Hi, Di) x (Di, N) matmul
+            dots = reused(work, "dots", (B * T * Hi, k.shape[0]), q.dtype, q.device)
+            torch.matmul(q.reshape(-1, Di), k.t(), out=dots)
+            dots = dots.view(B, T, Hi, -1)  # (B, T, Hi, N)
+        else:
+            dots = torch.einsum("bthd,bsd->bths", q, k)  # (B, T, Hi, S)
         return torch.einsum("bths,bth->bts", relu(dots), w * softmax_scale)
 
 
@@ -162,7 +169,7 @@ def to_index_cache(index_k, cache_dtype):
     return index_k.to(cache_dtype)
 
 
-def quantized_index_scores(q, w, packed_k, softmax_scale):
+def quantized_index_scores(q, w, packed_k, softmax_scale, work=None):
     """index_scores from int8 q and k -> (B, T, S) fp32; packed_k (B, S, Di + 4), or (S, Di + 4) keys shared
     by every row (a page pool read in place).
 
@@ -172,18 +179,43 @@ def quantized_index_scores(q, w, packed_k, softmax_scale):
     (|.| <= 127^2 x Di < 2^24, so fp32 holds every partial sum exactly): the int8 GEMM a CPU runs for a pool
     and the fp32 einsum elsewhere give the same dot products whatever the batch or the order of the sum. The
     head-weighted sum after them is fp32, as in index_scores, so its last bits may depend on the shape it
-    runs at (a decode step against a full forward), as the float path's do."""
+    runs at (a decode step against a full forward), as the float path's do. Over a pool the int32 products
+    and their fp32 copy go into buffers of `work` reused across steps (see reused)."""
     B, T, Hi, Di = q.shape
     k_int, k_scale = unpack_index_keys(packed_k)  # (B, S, Di) or (S, Di); (B, S) or (S,)
     q_int, q_scale = quantize_int8(q)  # (B, T, Hi, Di), (B, T, Hi)
     with torch.autocast(q.device.type, enabled=False):
         if k_int.dim() == 2 and q.device.type == "cpu":  # one int8 GEMM (VNNI / AMX where the CPU has it)
-            dots = torch._int_mm(q_int.reshape(-1, Di), k_int.t()).relu_().float().view(B, T, Hi, -1)
+            shape = (B * T * Hi, k_int.shape[0])
+            dots_int = reused(work, "dots_int", shape, torch.int32, q.device)
+            torch._int_mm(q_int.reshape(-1, Di), k_int.t(), out=dots_int)
+            dots = reused(work, "dots", shape, torch.float32, q.device)
+            dots.copy_(dots_int.relu_())
+            dots = dots.view(B, T, Hi, -1)  # (B, T, Hi, N)
         else:
             pattern = "bthd,bsd->bths" if k_int.dim() == 3 else "bthd,sd->bths"
             dots = torch.einsum(pattern, q_int.float(), k_int.float()).relu_()  # (B, T, Hi, S)
         I = torch.einsum("bths,bth->bts", dots, w.float() * q_scale * softmax_scale)
         return I * k_scale.unsqueeze(-2)  # (B, T, S)
+
+
+def reused(work, name, shape, dtype, device):
+    """An uninitialised `shape` tensor: the buffer `work[name]` (grown when too small) where `work` is a dict,
+    a fresh tensor where it is None. A paged cache holds one such dict (PagedCache.work), so its decode steps
+    write their (Hi, N) index products, 8 MB per row at 64K tokens, into the same memory every layer and step.
+    A fresh tensor that size costs more than the matmul filling it: glibc maps large blocks from the OS and
+    hands them back on free, so each step page-faults them in again (the int8 scores of bench_serve.py
+    part 3 took 1.7 ms or 5-14 ms per step depending on the run's allocation history; 1.7 ms with this)."""
+    n = 1
+    for d in shape:
+        n *= d
+    if work is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    buf = work.get(name)
+    if buf is None or buf.numel() < n or buf.dtype != dtype or buf.device != torch.device(device):
+        buf = torch.empty(n, dtype=dtype, device=device)
+        work[name] = buf
+    return buf[:n].view(shape)
 
 
 def relu(dots):
@@ -251,7 +283,7 @@ def causal_index_scores(q, w, k_all, last, softmax_scale):
     return I.masked_fill(~visible, float("-inf"))
 
 
-def index_topk(q, w, k_all, last, topk, softmax_scale, rows=None):
+def index_topk(q, w, k_all, last, topk, softmax_scale, rows=None, work=None):
     """The DSA selection: each query's min(topk, S) best keys among positions 0..last.
 
     q (B, T, Hi, Di), w (B, T, Hi), k_all (B, S, Di) the (cached) index keys, last (B, T) or (1, T): the
@@ -260,7 +292,8 @@ def index_topk(q, w, k_all, last, topk, softmax_scale, rows=None):
     rows[b, s]; the scores are taken over the pool in place (no copy of any row's keys), put back in
     position order (S floats per query, for the tie-breaking) and idx is returned as pool rows.
     k_all may be packed int8 keys (..., Di + 4) (ModelConfig.index_quant "int8"): then the scores are
-    quantized_index_scores, in torch on every device.
+    quantized_index_scores, in torch on every device. work: a dict of buffers reused across steps for the
+    pool's products (PagedCache.work; None: fresh ones), not used inside torch.compile.
     The scores run as a Triton kernel where kernels.use_triton says so, else in torch; the selection is
     discrete, so no gradient flows through it (the KL trains the indexer, from selected_index_scores)."""
     B, T = q.shape[:2]
@@ -274,7 +307,9 @@ def index_topk(q, w, k_all, last, topk, softmax_scale, rows=None):
     score = quantized_index_scores if quantized else index_scores
     with torch.no_grad():
         if in_pool:
-            I = score(q, w, k_all, softmax_scale)  # (B, T, N) over the whole pool
+            if torch.compiler.is_compiling():  # the graph allocates its own buffers
+                work = None
+            I = score(q, w, k_all, softmax_scale, work)  # (B, T, N) over the whole pool
             I = I.gather(-1, rows[:, None, :].expand(B, T, S))  # (B, T, S) in position order
         elif quantized:
             I = score(q, w, k_all, softmax_scale)  # (B, T, S); topk_select below masks the future
@@ -299,50 +334,66 @@ def selection_mask(idx, valid, S):
 # Sparse MLA over the selected latents (absorbed / MQA form, prefill and decode alike)
 
 
-def gather_rows(latent, idx):
+def gather_rows(latent, idx, work=None):
     """latent (B, S, F), idx (B, T, K) positions in each row -> latent[b, idx[b, t, k]] (B, T, K, F), as
     whole-row copies (index_select over the flattened rows: several times faster on a CPU than indexing
-    with two index tensors). A page pool shared by every row (an expanded view, batch stride 0) is
-    selected from directly: its idx are pool rows."""
+    with two index tensors). A page pool shared by every row (an expanded view, batch stride 0), or one
+    row, is selected from directly: its idx are pool rows, copied into a buffer of `work` (reused, see
+    reused) when one is given and no gradient is taken."""
     B, S, F = latent.shape
     if torch.compiler.is_compiling():  # inductor writes its own loop for this form (see PagedCache.write)
         return latent[torch.arange(B, device=idx.device)[:, None, None], idx]
-    if latent.stride(0) == 0:
-        return latent[0].index_select(0, idx.flatten()).view(*idx.shape, F)
+    if latent.stride(0) == 0 or B == 1:
+        if work is None or torch.is_grad_enabled():
+            return latent[0].index_select(0, idx.flatten()).view(*idx.shape, F)
+        out = reused(work, "selected", (idx.numel(), F), latent.dtype, latent.device)
+        return torch.index_select(latent[0], 0, idx.flatten(), out=out).view(*idx.shape, F)
     flat = idx + (torch.arange(B, device=idx.device) * S)[:, None, None]  # (B, T, K) rows of (B * S, F)
     return latent.reshape(B * S, F).index_select(0, flat.flatten()).view(*idx.shape, F)
 
 
-def sparse_scores(q_abs, q_pe, latent, idx, valid, softmax_scale):
+def sparse_scores(q_abs, q_pe, latent, idx, valid, softmax_scale, work=None):
     """Gather each query's selected latents and score them: -> scores (B, T, H, K) in fp32, -inf where
-    invalid, and the gathered c_kv rows c_sel (B, T, K, C)."""
+    invalid, and the gathered rows sel (B, T, K, C + R). One query (a decode step of one row) scores with
+    one linear.linear, [q_abs | q_pe] against the selected rows as its weight (oneDNN's GEMM on a CPU: half
+    the einsums' time, 0.33 against 0.77 ms at GLM-5's 64 heads x 2048 selected rows)."""
     B, T, H, C = q_abs.shape
-    sel = gather_rows(latent, idx)  # (B, T, K, C + R)
-    c_sel, pe_sel = sel.split([C, sel.shape[-1] - C], dim=-1)
-    scores = torch.einsum("bthc,btkc->bthk", q_abs, c_sel) + torch.einsum("bthr,btkr->bthk", q_pe, pe_sel)
+    sel = gather_rows(latent, idx, work)  # (B, T, K, C + R)
+    if B * T == 1:
+        q = torch.cat([q_abs[0, 0], q_pe[0, 0]], dim=-1)  # (H, C + R)
+        scores = linear.linear(q, sel[0, 0]).view(1, 1, H, -1)  # (1, 1, H, K)
+    else:
+        c_sel, pe_sel = sel.split([C, sel.shape[-1] - C], dim=-1)
+        scores = torch.einsum("bthc,btkc->bthk", q_abs, c_sel) + torch.einsum("bthr,btkr->bthk", q_pe, pe_sel)
     scores = (upcast(scores) * softmax_scale).masked_fill(~valid[:, :, None, :], float("-inf"))
-    return scores, c_sel
+    return scores, sel
 
 
-def sparse_mla_torch(q_abs, q_pe, latent, idx, valid, softmax_scale):
+def sparse_mla_torch(q_abs, q_pe, latent, idx, valid, softmax_scale, work=None):
     """The torch path of sparse_mla: a (B, T, K, C + R) gather, then softmax attention over it."""
-    scores, c_sel = sparse_scores(q_abs, q_pe, latent, idx, valid, softmax_scale)  # (B, T, H, K)
-    o_lat = torch.einsum("bthk,btkc->bthc", scores.softmax(dim=-1).to(c_sel.dtype), c_sel)
+    C = q_abs.shape[-1]
+    scores, sel = sparse_scores(q_abs, q_pe, latent, idx, valid, softmax_scale, work)  # (B, T, H, K)
+    probs = scores.softmax(dim=-1).to(sel.dtype)
+    if probs.shape[0] * probs.shape[1] == 1:  # one query, as in sparse_scores: all C + R columns, then C
+        o_lat = linear.linear(probs[0, 0], sel[0, 0].t())[None, None, :, :C]  # (1, 1, H, C)
+    else:
+        o_lat = torch.einsum("bthk,btkc->bthc", probs, sel[..., :C])
     return o_lat, scores.logsumexp(dim=-1)
 
 
-def sparse_mla(q_abs, q_pe, latent, idx, valid, softmax_scale):
+def sparse_mla(q_abs, q_pe, latent, idx, valid, softmax_scale, work=None):
     """Attention of each query over only its selected cached latents.
 
     q_abs (B, T, H, C): query with W_UK folded in (C = kv_lora_rank);  q_pe (B, T, H, R) roped;
     latent (B, S, C + R): [c_kv | k_pe] per token;  idx, valid (B, T, K).
     Returns o_lat (B, T, H, C) (the caller folds in W_UV) and the log-sum-exp lse (B, T, H) fp32, which
     is all the indexer KL's target needs. Differentiable; Triton (forward and backward) where
-    kernels.use_triton says so, else sparse_mla_torch.
+    kernels.use_triton says so, else sparse_mla_torch. work: buffers reused across steps for the torch
+    path's gather from a page pool (PagedCache.work; see reused).
     """
     if kernels.use_triton(q_abs):
         return kernels.sparse_mla(q_abs, q_pe, latent, idx, valid, softmax_scale)
-    return sparse_mla_torch(q_abs, q_pe, latent, idx, valid, softmax_scale)
+    return sparse_mla_torch(q_abs, q_pe, latent, idx, valid, softmax_scale, work)
 
 
 # -----------------------------------------------------------------------------

@@ -328,7 +328,8 @@ class MLA(nn.Module):
             keys = index_k_all
             if c.index_quant == "int8" and keys.dtype != torch.int8:  # fresh keys: packed as a cache packs
                 keys = dsa.pack_index_keys(keys)  # (B, S, Di + 4) int8
-            idx, valid = dsa.index_topk(iq, iw, keys, last, c.index_topk, scale, rows)  # (B, T, K)
+            work = getattr(cache, "work", None)  # a paged cache's buffers, reused across steps
+            idx, valid = dsa.index_topk(iq, iw, keys, last, c.index_topk, scale, rows, work)  # (B, T, K)
 
         if form == "naive":
             mask = dsa.selection_mask(idx, valid, S) if select else visible  # (B or 1, T, S)
@@ -338,7 +339,7 @@ class MLA(nn.Module):
             q_abs = torch.einsum("bthd,hdc->bthc", q_nope, w_uk)  # (B, T, H, C)
             if select:  # each query reads only its K selected latents (Triton on a GPU)
                 pool = latent_all if rows is None else latent_all[None].expand(B, -1, -1)  # a view
-                o_lat, lse = dsa.sparse_mla(q_abs, q_pe, pool, idx, valid, self.softmax_scale)
+                o_lat, lse = dsa.sparse_mla(q_abs, q_pe, pool, idx, valid, self.softmax_scale, work)
             else:
                 mask = visible
                 if rows is not None:  # the visible positions marked at their pool rows: (B, T, N)

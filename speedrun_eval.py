@@ -90,9 +90,10 @@ def set_dsa_mode(m, mode):
 # dsa: sparse vs dense val loss, and the long-context probe
 
 
-def window_topk(q, w, k_all, last, topk, softmax_scale, rows=None):
+def window_topk(q, w, k_all, last, topk, softmax_scale, rows=None, work=None):
     """A sliding window in dsa.index_topk's place: each query's last min(topk, S) positions, whatever the
-    indexer scores. Same shapes and budget as the DSA selection: -> idx, valid (B, T, K)."""
+    indexer scores. Same signature, shapes and budget as the DSA selection (work, its buffers, unused):
+    -> idx, valid (B, T, K)."""
     B, T = q.shape[:2]
     last = last.expand(B, T)
     S = k_all.shape[1] if rows is None else rows.shape[1]

@@ -126,6 +126,57 @@ def test_int8_index_scores_are_the_same_bits_on_every_path_and_near_the_float_sc
     assert (idx <= last[..., None]).all()  # the causal mask holds for quantized scores too
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_pool_scores_with_reused_buffers_equal_fresh_ones_step_after_step(packed):
+    """The index products over a pool written into a work dict's buffers (PagedCache.work): the same
+    selections as fresh buffers, the buffers reused from the second call on (same memory), and grown when
+    a longer pool needs more."""
+    g = torch.Generator().manual_seed(3)
+    B, T, Hi, D, S, P = 2, 1, 4, 32, 40, 4
+    pool = torch.randn(64, D, generator=g)
+    keys = dsa.pack_index_keys(pool) if packed else pool
+    pages = torch.stack([torch.randperm(16, generator=g)[: S // P] for _ in range(B)])
+    s = torch.arange(S)
+    rows = pages[:, s // P] * P + s % P  # (B, S)
+    last = torch.tensor([[39], [30]])
+    work = {}
+    seen = []
+    for step in range(3):
+        q, w = torch.randn(B, T, Hi, D, generator=g), torch.randn(B, T, Hi, generator=g)
+        fresh = dsa.index_topk(q, w, keys, last, 6, 0.3, rows)
+        reused = dsa.index_topk(q, w, keys, last, 6, 0.3, rows, work)
+        assert torch.equal(fresh[0], reused[0]) and torch.equal(fresh[1], reused[1])
+        seen.append({k: v.data_ptr() for k, v in work.items()})
+    assert seen[0] and seen[0] == seen[1] == seen[2]
+    longer = torch.cat([keys, keys])  # a pool twice as long: the buffers grow
+    q, w = torch.randn(B, T, Hi, D, generator=g), torch.randn(B, T, Hi, generator=g)
+    want = dsa.index_topk(q, w, longer, last, 6, 0.3, rows)
+    got = dsa.index_topk(q, w, longer, last, 6, 0.3, rows, work)
+    assert torch.equal(want[0], got[0]) and max(v.numel() for v in work.values()) == B * T * Hi * 128
+
+
+def test_one_query_sparse_attention_equals_the_batched_einsum_path():
+    """A decode step of one row runs sparse MLA as two linear.linear GEMMs over its gathered rows (oneDNN on a
+    CPU, in a reused buffer); the same query inside a batch of two takes the einsum path: same output and
+    log-sum-exp to fp32 rounding, at GLM-5's 576-value latent."""
+    g = torch.Generator().manual_seed(4)
+    H, C, R, N, K = 8, 512, 64, 300, 40
+    pool = torch.randn(N, C + R, generator=g)
+    q_abs, q_pe = torch.randn(1, 1, H, C, generator=g), torch.randn(1, 1, H, R, generator=g)
+    idx = torch.randperm(N, generator=g)[:K].view(1, 1, K)
+    valid = torch.rand(1, 1, K, generator=g) < 0.8
+    work = {}
+    with torch.no_grad():
+        one = dsa.sparse_mla_torch(q_abs, q_pe, pool[None], idx, valid, 0.05, work)
+        assert work["selected"].shape == (K * (C + R),)  # the gather went into the reused buffer
+        two = dsa.sparse_mla_torch(
+            q_abs.expand(2, -1, -1, -1), q_pe.expand(2, -1, -1, -1), pool[None].expand(2, -1, -1),
+            idx.expand(2, -1, -1), valid.expand(2, -1, -1), 0.05,
+        )
+    torch.testing.assert_close(one[0], two[0][:1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(one[1], two[1][:1], rtol=1e-5, atol=1e-5)
+
+
 def test_gather_rows_equals_indexing_per_row_and_from_a_shared_pool():
     # the fast path (index_select over flattened rows) against the reference (two index tensors)
     B, S, T, K, F = 3, 11, 2, 5, 7
