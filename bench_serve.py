@@ -32,11 +32,12 @@ Serving benchmarks for engine.py, each measured side by side in one run on the s
                 in the pool, only the selected latent rows read) and PagedCache gathering each history
                 (the reference path), and PagedCache with index_quant "int8" (the index keys in int8 with
                 a scale per key, scored by one int8 GEMM: dsa.py, DeepSeek-V3.2's FP8 indexer). Next to
-                each time: the least the step must read (the weights, the
-                index keys and the selected latents; dense: every latent) and the bound that sets at the
-                measured copy bandwidth, and the indexer's scores timed alone (one matmul, arithmetic the byte
-                bound does not count). The cache is filled with random latents: prefilling 64K tokens
-                densely on a CPU takes too long, and the step's cost does not depend on the values.
+                each time: the least the step must read (the weights, the index keys and the selected
+                latents; dense: every latent) and the bound that sets at the measured copy bandwidth (the
+                median of five 256 MiB copies; their range is printed), and the indexer's scores timed
+                alone (one matmul, arithmetic the byte bound does not count). The cache is filled with
+                random latents: prefilling 64K tokens densely on a CPU takes too long, and the step's cost
+                does not depend on the values.
 
 4. memory       the engine's cache bytes per token (the latent and the indexer key, every layer) against a
                 dense multi-head K/V cache of the same attention, toy and full size, fp32 and bf16.
@@ -221,12 +222,13 @@ def bench_dsa(contexts, reps, dev, dtype):
     with torch.device(dev):
         m = glm.GLM5(cfg).to(dtype).eval()
     assert m.model.layers[0].self_attn.cfg is m.config  # dsa_mode is read from the shared config at each step
-    bw = copy_bandwidth(dev)
+    bw, bw_low, bw_high = copy_bandwidth(dev)
     weight_bytes = sum(p.numel() * p.element_size() for n, p in m.named_parameters() if "embed" not in n)
     C, R, Di, K = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.index_head_dim, cfg.index_topk
     size = torch.finfo(dtype).bits // 8
     print(
-        f"memory bandwidth (a 256 MiB copy): {bw / 1e9:.1f} GB/s; the layer's weights read per step "
+        f"memory bandwidth (the median of 5 copies of 256 MiB): {bw / 1e9:.1f} GB/s (they ranged "
+        f"{bw_low / 1e9:.1f}-{bw_high / 1e9:.1f}); the layer's weights read per step "
         f"{weight_bytes / 1e6:.0f} MB = {weight_bytes / bw * 1e3:.1f} ms, the floor under every row below"
     )
     rows = []
@@ -331,13 +333,15 @@ def bench_memory():
     return rows
 
 
-def copy_bandwidth(dev):
-    """Bytes per second of one large copy (read + write), the best of 3: the memory bound's speed."""
+def copy_bandwidth(dev, reps=5):
+    """Bytes per second of one large copy (read + write): the memory bound's speed, and the range seen.
+    The median of `reps` copies, as the steps it bounds are medians: on a shared 2-core machine the best
+    of three once read 75 GB/s where copies around it ran 40-44 and the steps were no faster."""
     x = torch.ones(64 * 2**20, device=dev)  # 256 MiB of fp32
     y = torch.empty_like(x)
     y.copy_(x)
-    best = min(timed(lambda: y.copy_(x), dev)[1] for _ in range(3))
-    return 2 * x.numel() * x.element_size() / best
+    rates = [2 * x.numel() * x.element_size() / timed(lambda: y.copy_(x), dev)[1] for _ in range(reps)]
+    return statistics.median(rates), min(rates), max(rates)
 
 
 # -----------------------------------------------------------------------------
