@@ -13,8 +13,9 @@ this was measured on (an AMD EPYC, 2 cores, AVX-512) was much slower:
     o_proj at 32 rows                              7.4 GB/s           16-22 GB/s
     (the same machine copies memory at 40-45 GB/s, read + write; MKL ran one thread where oneDNN ran two)
 
-A decode step reads every weight once, so its time is these rates: bench_serve.py part 3 (one GLM-5 layer
-at 64K tokens) went from about 34 to 28 ms. Nothing in the weights changes: they stay plain tensors, read
+A decode step reads every weight once, so its time is these rates: one GLM-5 layer's int8-indexer step at
+64K tokens (bench_serve.py part 3's shapes) went from 34-38 to 27-30 ms with this file alone (README:
+Benchmarks). Nothing in the weights changes: they stay plain tensors, read
 by oneDNN as they are (no prepacking, so loading, saving and weight updates from RL see the same
 parameters).
 
