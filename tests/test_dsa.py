@@ -6,6 +6,8 @@ import pytest
 import torch
 
 import dsa
+import kernels
+import linear
 import model
 from conftest import randomize, tiny_config
 
@@ -153,6 +155,22 @@ def test_pool_scores_with_reused_buffers_equal_fresh_ones_step_after_step(packed
     want = dsa.index_topk(q, w, longer, last, 6, 0.3, rows)
     got = dsa.index_topk(q, w, longer, last, 6, 0.3, rows, work)
     assert torch.equal(want[0], got[0]) and max(v.numel() for v in work.values()) == B * T * Hi * 128
+
+
+def test_pool_scores_through_onednn_equal_the_per_row_einsum():
+    """Float keys in a pool long enough for linear.py's rule are scored by oneDNN with the keys as the rows
+    (linear.uses_onednn, on a CPU): the same scores as the per-row einsum over the same keys, to fp32
+    rounding, for two rows of two queries each."""
+    g = torch.Generator().manual_seed(5)
+    B, T, Hi, D, N = 2, 2, 4, 128, 4096
+    pool = torch.randn(N, D, generator=g)
+    q, w = torch.randn(B, T, Hi, D, generator=g), torch.randn(B, T, Hi, generator=g)
+    with torch.no_grad():
+        if torch.backends.mkldnn.is_available() and kernels.MODE != "torch":
+            assert linear.uses_onednn(pool, q.reshape(-1, D))
+        got = dsa.index_scores(q, w, pool, 0.3)  # (B, T, N)
+        want = dsa.index_scores(q, w, pool[None].expand(B, -1, -1), 0.3)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
 
 
 def test_one_query_sparse_attention_equals_the_batched_einsum_path():
