@@ -64,6 +64,7 @@ import torch
 
 import dsa
 import engine
+import linear
 import model as glm
 import paged_cache
 import sampling
@@ -280,11 +281,13 @@ def bench_dsa(contexts, reps, dev, dtype):
                 f"dense / DSA = {t['dense'] / t['sparse']:.2f}x",
                 flush=True,
             )
-        # the byte bound leaves out arithmetic: the indexer's scores are one (heads x Di) x (Di x S) matmul
-        # over every index key, which on a CPU thread costs more than reading those keys
+        # the byte bound leaves out arithmetic: the indexer's scores are one (heads x Di) x (Di x S) product
+        # over every index key, which on a CPU thread costs more than reading those keys; timed as the step
+        # runs it (linear.linear, the keys as the rows: oneDNN's GEMM on a CPU)
         q = torch.randn(cfg.index_n_heads, Di, device=dev, dtype=dtype)
         keys = torch.randn(S, Di, device=dev, dtype=dtype)
-        score = statistics.median(timed(lambda: q @ keys.T, dev)[1] for _ in range(reps))
+        with torch.no_grad():
+            score = statistics.median(timed(lambda: linear.linear(keys, q), dev)[1] for _ in range(reps))
         flops = 2 * cfg.index_n_heads * Di * S
         print(
             f"{S:>7} tokens: the indexer's scores alone ({flops / 1e9:.2f} GFLOP, one matmul) take "

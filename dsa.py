@@ -94,12 +94,14 @@ def index_scores(q, w, k_all, softmax_scale, work=None):
     into a buffer of `work` reused across steps: see reused)."""
     B, T, Hi, Di = q.shape
     with torch.autocast(q.device.type, enabled=False):  # fp32 scores, also under autocast
-        k = upcast(k_all).to(q.dtype)
+        k = upcast(k_all).to(q.dtype)  # (N, Di) or (B, S, Di)
         q2 = q.reshape(-1, Di)  # (B T Hi, Di)
         if k_all.dim() == 2 and linear.uses_onednn(k, q2):  # a pool on a CPU: oneDNN, keys as the rows
             dots = linear.linear(k, q2).relu_().view(-1, B * T, Hi)  # (N, B T, Hi)
             return torch.einsum("nrh,rh->rn", dots, (w * softmax_scale).reshape(B * T, Hi)).view(B, T, -1)
-        if k_all.dim() == 2:  # a pool: one (B T Hi, Di) x (Di, N) matmul
+        if k_all.dim() == 2 and (work is None or torch.is_grad_enabled()):  # a pool: one matmul
+            dots = (q2 @ k.t()).view(B, T, Hi, -1)  # (B, T, Hi, N)
+        elif k_all.dim() == 2:  # the same, into a reused buffer
             dots = reused(work, "dots", (B * T * Hi, k.shape[0]), q.dtype, q.device)
             torch.matmul(q2, k.t(), out=dots)
             dots = dots.view(B, T, Hi, -1)  # (B, T, Hi, N)
@@ -204,17 +206,23 @@ def quantized_index_scores(q, w, packed_k, softmax_scale, work=None):
         return I * k_scale.unsqueeze(-2)  # (B, T, S)
 
 
+WORK_MAX_BYTES = 64 * 2**20  # a reused buffer's most: bigger ones (long prefills, wide batches) stay temporaries
+
+
 def reused(work, name, shape, dtype, device):
-    """An uninitialised `shape` tensor: the buffer `work[name]` (grown when too small) where `work` is a dict,
-    a fresh tensor where it is None. A paged cache holds one such dict (PagedCache.work), so its decode steps
-    write their (Hi, N) index products, 8 MB per row at 64K tokens, into the same memory every layer and step.
-    A fresh tensor that size costs more than the matmul filling it: glibc maps large blocks from the OS and
-    hands them back on free, so each step page-faults them in again (the int8 scores of bench_serve.py
-    part 3 took 1.7 ms or 5-14 ms per step depending on the run's allocation history; 1.7 ms with this)."""
+    """An uninitialised `shape` tensor: the buffer `work[name]` (grown when too small, kept) where `work` is a
+    dict and the tensor at most WORK_MAX_BYTES, a fresh tensor otherwise. A paged cache holds one such dict
+    (PagedCache.work) for its decode steps (model.MLA passes it when T == 1), which write their (Hi, N) int8
+    index products, 8 MB per row at 64K tokens, and their 2,048 gathered latents, 4.7 MB, into the same
+    memory every layer and step. A fresh tensor that size costs more than the product filling it: glibc maps
+    large blocks from the OS and hands them back on free, so each step page-faults them in again (the int8
+    scores of bench_serve.py part 3 took 1.7 ms or 5-14 ms per step depending on the run's allocation
+    history; 1.7 ms with this). The float scores over a pool on a CPU go through oneDNN instead, whose op
+    takes no output buffer: a fresh (N, Hi) tensor per layer, paid for by a product 2.5x faster than MKL's."""
     n = 1
     for d in shape:
         n *= d
-    if work is None:
+    if work is None or n * torch.empty((), dtype=dtype).element_size() > WORK_MAX_BYTES:
         return torch.empty(shape, dtype=dtype, device=device)
     buf = work.get(name)
     if buf is None or buf.numel() < n or buf.dtype != dtype or buf.device != torch.device(device):
@@ -342,9 +350,9 @@ def selection_mask(idx, valid, S):
 def gather_rows(latent, idx, work=None):
     """latent (B, S, F), idx (B, T, K) positions in each row -> latent[b, idx[b, t, k]] (B, T, K, F), as
     whole-row copies (index_select over the flattened rows: several times faster on a CPU than indexing
-    with two index tensors). A page pool shared by every row (an expanded view, batch stride 0), or one
-    row, is selected from directly: its idx are pool rows, copied into a buffer of `work` (reused, see
-    reused) when one is given and no gradient is taken."""
+    with two index tensors). A page pool shared by every row (an expanded view, batch stride 0; idx are
+    pool rows), or a single row (idx are its positions), is selected from directly, into a buffer of `work`
+    (reused, see reused) when one is given and no gradient is taken."""
     B, S, F = latent.shape
     if torch.compiler.is_compiling():  # inductor writes its own loop for this form (see PagedCache.write)
         return latent[torch.arange(B, device=idx.device)[:, None, None], idx]
@@ -378,7 +386,7 @@ def sparse_mla_torch(q_abs, q_pe, latent, idx, valid, softmax_scale, work=None):
     """The torch path of sparse_mla: a (B, T, K, C + R) gather, then softmax attention over it."""
     C = q_abs.shape[-1]
     scores, sel = sparse_scores(q_abs, q_pe, latent, idx, valid, softmax_scale, work)  # (B, T, H, K)
-    probs = scores.softmax(dim=-1).to(sel.dtype)
+    probs = scores.softmax(dim=-1).to(sel.dtype)  # (B, T, H, K)
     if probs.shape[0] * probs.shape[1] == 1:  # one query, as in sparse_scores: all C + R columns, then C
         o_lat = linear.linear(probs[0, 0], sel[0, 0].t())[None, None, :, :C]  # (1, 1, H, C)
     else:

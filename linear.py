@@ -1,8 +1,10 @@
 """
 The inference linear layer on a CPU: x @ W.T through oneDNN's GEMM instead of torch's default one.
 
-Every projection in model.py and the indexer's in dsa.py is this file's Linear. On a GPU, in training, and
-under torch.compile it is exactly F.linear. On a CPU, with no gradient to take and fp32 data, it calls
+model.py's projections (attention, the dense and shared-expert MLPs, the MTP block's, the head) and the
+indexer's wq_b and wk in dsa.py are this file's Linear; the router, the routed experts (experts.py) and the
+indexer's fp32 head weights are not. On a GPU, in training, under autocast and under torch.compile it is
+exactly F.linear. On a CPU, with no gradient to take and fp32 data, it calls
 oneDNN (torch.ops.mkldnn._linear_pointwise, the op inductor's CPU backend uses for linears once it has
 frozen a model's weights), because torch's own fp32 matmul there calls MKL's sgemm, which on the machine
 this was measured on (an AMD EPYC, 2 cores, AVX-512) was much slower:
@@ -46,20 +48,27 @@ ONEDNN_MIN_MACS = 2**20  # rows x in x out below which oneDNN's ~10 us call over
 
 def uses_onednn(x, weight, bias=None):
     """True where linear() takes oneDNN's GEMM: a CPU, fp32 rows and weight (and bias), no gradient to take,
-    not inside torch.compile, oneDNN present, contiguous rows and a weight that is contiguous or the
-    transpose of a contiguous one, and at least ONEDNN_MIN_MACS multiply-adds."""
+    no CPU autocast, not inside torch.compile, oneDNN present and enabled, contiguous rows (and bias) of the
+    weight's width, a weight that is contiguous or the transpose of a contiguous one, and at least
+    ONEDNN_MIN_MACS multiply-adds."""
     if kernels.MODE == "torch" or x.device.type != "cpu":
         return False
     if x.dtype != torch.float32 or weight.dtype != torch.float32:
         return False
-    if bias is not None and bias.dtype != torch.float32:
-        return False
+    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
+        return False  # a strided bias: oneDNN read it as contiguous, silently wrong
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return False  # the oneDNN op has no backward
     if bias is not None and torch.is_grad_enabled() and bias.requires_grad:
         return False
-    if torch.compiler.is_compiling() or not torch.backends.mkldnn.is_available():
+    if torch.is_autocast_enabled("cpu"):
+        return False  # F.linear runs in the autocast dtype; so must every projection
+    if torch.compiler.is_compiling():
         return False
+    if not torch.backends.mkldnn.is_available() or not torch.backends.mkldnn.enabled:
+        return False
+    if weight.dim() != 2 or x.dim() == 0 or x.shape[-1] != weight.shape[1]:
+        return False  # F.linear names the shape mismatch; oneDNN's error does not
     if not x.is_contiguous() or not (weight.is_contiguous() or weight.t().is_contiguous()):
         return False  # oneDNN's unpacked path took 640 ms for a 0.4 ms GEMM on a weight with strided rows
     out_features, in_features = weight.shape

@@ -328,7 +328,9 @@ class MLA(nn.Module):
             keys = index_k_all
             if c.index_quant == "int8" and keys.dtype != torch.int8:  # fresh keys: packed as a cache packs
                 keys = dsa.pack_index_keys(keys)  # (B, S, Di + 4) int8
-            work = getattr(cache, "work", None)  # a paged cache's buffers, reused across steps
+            work = None
+            if T == 1:  # decode: a paged cache's buffers, reused across steps (dsa.reused)
+                work = getattr(cache, "work", None)
             idx, valid = dsa.index_topk(iq, iw, keys, last, c.index_topk, scale, rows, work)  # (B, T, K)
 
         if form == "naive":

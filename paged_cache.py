@@ -67,7 +67,7 @@ class PagedCache:
         self.length = None  # the furthest position of this forward + 1, set on the host with `tables`
         self.in_place = in_place  # False: always gather each row's history (the reference path)
         self.rows = None
-        self.work = {}  # buffers dsa.index_topk reuses across steps, scoring the pool in place (dsa.reused)
+        self.work = {}  # buffers decode steps reuse for the pool's index products and gathers (dsa.reused)
 
     def point(self, tables, length):
         """Before a forward: tables (B, n) page ids per row, length = the furthest position + 1 (a host

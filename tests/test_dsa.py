@@ -150,6 +150,14 @@ def test_pool_scores_with_reused_buffers_equal_fresh_ones_step_after_step(packed
         assert torch.equal(fresh[0], reused[0]) and torch.equal(fresh[1], reused[1])
         seen.append({k: v.data_ptr() for k, v in work.items()})
     assert seen[0] and seen[0] == seen[1] == seen[2]
+    small = dsa.WORK_MAX_BYTES
+    dsa.WORK_MAX_BYTES = 16  # a product past the cap (a long prefill's) stays a temporary: nothing kept
+    try:
+        kept = dict(work)
+        dsa.index_topk(q, w, keys, last, 6, 0.3, rows, work)
+        assert {k: v.data_ptr() for k, v in work.items()} == {k: v.data_ptr() for k, v in kept.items()}
+    finally:
+        dsa.WORK_MAX_BYTES = small
     longer = torch.cat([keys, keys])  # a pool twice as long: the buffers grow
     q, w = torch.randn(B, T, Hi, D, generator=g), torch.randn(B, T, Hi, generator=g)
     want = dsa.index_topk(q, w, longer, last, 6, 0.3, rows)
@@ -175,17 +183,31 @@ def test_pool_scores_through_onednn_equal_the_per_row_einsum():
 
 def test_one_query_sparse_attention_equals_the_batched_einsum_path():
     """A decode step of one row runs sparse MLA as two linear.linear GEMMs over its gathered rows (oneDNN on a
-    CPU, in a reused buffer); the same query inside a batch of two takes the einsum path: same output and
-    log-sum-exp to fp32 rounding, at GLM-5's 576-value latent."""
+    CPU, in a reused buffer; the second reads them transposed); the same query inside a batch of two takes
+    the einsum path: same output and log-sum-exp to fp32 rounding, at GLM-5's 576-value latent."""
     g = torch.Generator().manual_seed(4)
-    H, C, R, N, K = 8, 512, 64, 300, 40
+    H, C, R, N, K = 16, 512, 64, 300, 128  # 16 x 576 x 128 multiply-adds: linear.py's rule takes oneDNN
     pool = torch.randn(N, C + R, generator=g)
     q_abs, q_pe = torch.randn(1, 1, H, C, generator=g), torch.randn(1, 1, H, R, generator=g)
     idx = torch.randperm(N, generator=g)[:K].view(1, 1, K)
     valid = torch.rand(1, 1, K, generator=g) < 0.8
     work = {}
+    taken = []
+    real = linear.uses_onednn
+
+    def spy(*a):
+        taken.append(real(*a))
+        return taken[-1]
+
+    linear.uses_onednn = spy
+    try:
+        with torch.no_grad():
+            one = dsa.sparse_mla_torch(q_abs, q_pe, pool[None], idx, valid, 0.05, work)
+    finally:
+        linear.uses_onednn = real
+    if torch.backends.mkldnn.is_available() and kernels.MODE != "torch":
+        assert taken == [True, True]  # the scores and the weighted sum, through oneDNN
     with torch.no_grad():
-        one = dsa.sparse_mla_torch(q_abs, q_pe, pool[None], idx, valid, 0.05, work)
         assert work["selected"].shape == (K * (C + R),)  # the gather went into the reused buffer
         two = dsa.sparse_mla_torch(
             q_abs.expand(2, -1, -1, -1), q_pe.expand(2, -1, -1, -1), pool[None].expand(2, -1, -1),

@@ -22,7 +22,7 @@ needs_onednn = pytest.mark.skipif(
 @pytest.mark.parametrize("bias", [False, True])
 def test_fast_path_equals_f_linear(shape, bias):
     """oneDNN's product equals F.linear to fp32 rounding, for 2-d and 3-d rows, with and without a bias,
-    and with a weight that is a transposed view (kv_b_proj's blocks are read that way)."""
+    and with a weight that is a transposed view (dsa.sparse_mla_torch reads its gathered rows that way)."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(*shape, generator=g)
     w = torch.randn(1024, 2048, generator=g)
@@ -47,6 +47,20 @@ def test_the_rule_takes_f_linear_where_onednn_cannot_or_should_not_run():
         assert not linear.uses_onednn(x.double(), w.double())  # exact tests run fp64
         assert not linear.uses_onednn(x.bfloat16(), w.bfloat16())  # torch sends bf16 to oneDNN itself
         assert not linear.uses_onednn(torch.randn(1, 128), torch.randn(128, 128))  # below ONEDNN_MIN_MACS
+        assert not linear.uses_onednn(torch.randn(4, 4096)[:, ::2], w)  # strided rows
+        assert not linear.uses_onednn(x, w, torch.randn(2048)[::2])  # a strided bias: oneDNN got it wrong
+        assert not linear.uses_onednn(torch.randn(4, 1024), w)  # a width mismatch: F.linear's error
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert not linear.uses_onednn(x, w)  # autocast: F.linear in bf16, as every other product
+            assert linear.linear(x, w).dtype == torch.bfloat16
+        torch._C._set_mkldnn_enabled(False)  # torch.backends.mkldnn.enabled = False
+        try:
+            assert not linear.uses_onednn(x, w)
+        finally:
+            torch._C._set_mkldnn_enabled(True)
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+        with torch.no_grad():
+            linear.linear(torch.randn(4, 1024), w)
     w.requires_grad_(True)
     assert not linear.uses_onednn(x, w)  # training: the oneDNN op has no backward
     with torch.no_grad():
