@@ -268,7 +268,7 @@ class Engine:
         self.stats = collections.Counter()  # prefill_tokens, cached_tokens, decode_steps, recomputed_tokens
         self.version = version  # the policy version of the weights in use; it only increases
         self.step_lock = threading.Lock()  # held by step(); a weight update swaps between two steps
-        # compile: decode_logits and layers (the prefill's and verify's forward) through torch.compile
+        # compile: decode_hidden and layers (the prefill's and verify's forward) through torch.compile
         # (inductor), else None and both run eager
         self.compiled = None
         self.compiled_layers = None
@@ -282,7 +282,7 @@ class Engine:
             # On a CPU, cpp_wrapper makes inductor call its kernels from generated C++ instead of Python:
             # a toy step is ~140 small ops, and that took batch 1 from 4.3 to 3.1-3.5 ms a step
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
-            self.compiled = torch.compile(self.decode_logits, dynamic=None, options=self.compile_options())
+            self.compiled = torch.compile(self.decode_hidden, dynamic=None, options=self.compile_options())
             # a fresh dict each: torch.compile pops guard_filter_fn out of the one it is given
             self.compiled_layers = torch.compile(self.layers, dynamic=None, options=self.compile_options())
 
@@ -499,10 +499,18 @@ class Engine:
             h, _, _ = layer(h, cos, sin, positions, self.cache)
         return h
 
+    def decode_hidden(self, ids, positions):
+        """One decode step's forward up to the head: ids (B, 1) -> the final norm's output (B, D). What
+        compile=True compiles for decode. The head runs after it, eager, on the real rows only (not the
+        bucket's padding): through linear.py that is oneDNN's GEMM on a CPU, which ran the toy's 4,096-wide
+        head at batch 32 in 178 against MKL's 340 us (inductor's graph calls MKL); the argmax stays out too
+        (inductor's CPU argmax over 4,096 logits made a batch-32 step slower)."""
+        m = self.model
+        return m.model.norm(self.layers(ids, positions)[:, -1])
+
     def decode_logits(self, ids, positions):
-        """One decode step's forward: ids (B, 1) -> logits (B, V). What compile=True compiles for decode
-        (without the argmax: inductor's CPU argmax over 4,096 logits made a batch-32 step slower)."""
-        return self.logits(self.layers(ids, positions)[:, -1])
+        """One decode step's forward, eager: ids (B, 1) -> logits (B, V)."""
+        return self.model.lm_head(self.decode_hidden(ids, positions))
 
     def logits(self, h, last=None):
         """h (B, T, D) -> logits (B, T, V), or (B, V) at one position per row: last[i] for row i."""
@@ -536,7 +544,7 @@ class Engine:
         if self.compiled is None:
             logits = self.decode_logits(ids, positions)
         else:
-            logits = self.compiled(ids, positions)[: len(rows)]  # (B, V)
+            logits = self.model.lm_head(self.compiled(ids, positions)[: len(rows)])  # (B, V)
         self.stats["decode_steps"] += 1
         self.sample_append(rows, logits)
 
