@@ -25,6 +25,8 @@ probabilities and runs in torch.
 Run its tests with `python -m pytest -q tests/test_dsa.py tests/test_kernels.py`.
 """
 
+import math
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -99,14 +101,14 @@ def index_scores(q, w, k_all, softmax_scale, work=None):
         if k_all.dim() == 2 and linear.uses_onednn(k, q2):  # a pool on a CPU: oneDNN, keys as the rows
             dots = linear.linear(k, q2).relu_().view(-1, B * T, Hi)  # (N, B T, Hi)
             return torch.einsum("nrh,rh->rn", dots, (w * softmax_scale).reshape(B * T, Hi)).view(B, T, -1)
-        if k_all.dim() == 2 and (work is None or torch.is_grad_enabled()):  # a pool: one matmul
+        if k_all.dim() == 3:
+            dots = torch.einsum("bthd,bsd->bths", q, k)  # (B, T, Hi, S)
+        elif torch.is_grad_enabled():  # a pool: one matmul (out= takes no gradient)
             dots = (q2 @ k.t()).view(B, T, Hi, -1)  # (B, T, Hi, N)
-        elif k_all.dim() == 2:  # the same, into a reused buffer
+        else:  # a pool: one matmul into a buffer, reused when `work` is given
             dots = reused(work, "dots", (B * T * Hi, k.shape[0]), q.dtype, q.device)
             torch.matmul(q2, k.t(), out=dots)
             dots = dots.view(B, T, Hi, -1)  # (B, T, Hi, N)
-        else:
-            dots = torch.einsum("bthd,bsd->bths", q, k)  # (B, T, Hi, S)
         return torch.einsum("bths,bth->bts", relu(dots), w * softmax_scale)
 
 
@@ -206,7 +208,7 @@ def quantized_index_scores(q, w, packed_k, softmax_scale, work=None):
         return I * k_scale.unsqueeze(-2)  # (B, T, S)
 
 
-WORK_MAX_BYTES = 64 * 2**20  # a reused buffer's most: bigger ones (long prefills, wide batches) stay temporaries
+WORK_MAX_BYTES = 64 * 2**20  # a reused buffer's most: bigger ones (wide batches) stay temporaries
 
 
 def reused(work, name, shape, dtype, device):
@@ -219,10 +221,8 @@ def reused(work, name, shape, dtype, device):
     scores of bench_serve.py part 3 took 1.7 ms or 5-14 ms per step depending on the run's allocation
     history; 1.7 ms with this). The float scores over a pool on a CPU go through oneDNN instead, whose op
     takes no output buffer: a fresh (N, Hi) tensor per layer, paid for by a product 2.5x faster than MKL's."""
-    n = 1
-    for d in shape:
-        n *= d
-    if work is None or n * torch.empty((), dtype=dtype).element_size() > WORK_MAX_BYTES:
+    n = math.prod(shape)
+    if work is None or n * dtype.itemsize > WORK_MAX_BYTES:
         return torch.empty(shape, dtype=dtype, device=device)
     buf = work.get(name)
     if buf is None or buf.numel() < n or buf.dtype != dtype or buf.device != torch.device(device):
@@ -357,7 +357,7 @@ def gather_rows(latent, idx, work=None):
     if torch.compiler.is_compiling():  # inductor writes its own loop for this form (see PagedCache.write)
         return latent[torch.arange(B, device=idx.device)[:, None, None], idx]
     if latent.stride(0) == 0 or B == 1:
-        if work is None or torch.is_grad_enabled():
+        if torch.is_grad_enabled():  # out= takes no gradient
             return latent[0].index_select(0, idx.flatten()).view(*idx.shape, F)
         out = reused(work, "selected", (idx.numel(), F), latent.dtype, latent.device)
         return torch.index_select(latent[0], 0, idx.flatten(), out=out).view(*idx.shape, F)

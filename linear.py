@@ -16,15 +16,15 @@ this was measured on (an AMD EPYC, 2 cores, AVX-512) was much slower:
     (the same machine copies memory at 40-45 GB/s, read + write; MKL ran one thread where oneDNN ran two)
 
 A decode step reads every weight once, so its time is these rates: one GLM-5 layer's int8-indexer step at
-64K tokens (bench_serve.py part 3's shapes) went from 34-38 to 27-30 ms with this file alone (README:
-Benchmarks). Nothing in the weights changes: they stay plain tensors, read
+64K tokens (bench_serve.py part 3's shapes, two threads) went from 34-38 to 26.6-29.6 ms in three runs with
+this file alone (README: Benchmarks). Nothing in the weights changes: they stay plain tensors, read
 by oneDNN as they are (no prepacking, so loading, saving and weight updates from RL see the same
 parameters).
 
 oneDNN's call costs about 10 us more than MKL's (it looks up its compiled primitive), which the toy model's
 128-wide layers would pay on every call, so the fast path is taken from 2^20 multiply-adds up (measured on
 the same machine: below that the two are within a few us, or MKL wins). Rows and weights of other dtypes
-(fp64 in the exact tests, bf16, which torch already sends to oneDNN) take F.linear.
+(fp64 in the exact tests; bf16, not measured here) take F.linear.
 
 Reference and switch: F.linear is the reference; NANOGLM_KERNELS=torch (kernels.py's switch) takes it
 everywhere. tests/test_linear.py checks the two agree and when each is taken.

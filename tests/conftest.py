@@ -184,3 +184,19 @@ def rel_err(got, ref):
     fin = ref.isfinite()
     assert torch.equal(fin, got.isfinite()) and torch.equal(got[~fin], ref[~fin])  # the same -inf entries
     return ((got - ref)[fin].abs().max() / ref[fin].abs().max().clamp_min(1e-30)).item()
+
+
+@pytest.fixture
+def onednn_calls(monkeypatch):
+    """Every answer linear.uses_onednn gives while the test runs, in order (True: oneDNN's GEMM was taken)."""
+    import linear
+
+    calls = []
+    real = linear.uses_onednn
+
+    def spy(*args):
+        calls.append(real(*args))
+        return calls[-1]
+
+    monkeypatch.setattr(linear, "uses_onednn", spy)
+    return calls

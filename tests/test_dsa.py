@@ -181,7 +181,7 @@ def test_pool_scores_through_onednn_equal_the_per_row_einsum():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
 
 
-def test_one_query_sparse_attention_equals_the_batched_einsum_path():
+def test_one_query_sparse_attention_equals_the_batched_einsum_path(onednn_calls):
     """A decode step of one row runs sparse MLA as two linear.linear GEMMs over its gathered rows (oneDNN on a
     CPU, in a reused buffer; the second reads them transposed); the same query inside a batch of two takes
     the einsum path: same output and log-sum-exp to fp32 rounding, at GLM-5's 576-value latent."""
@@ -192,21 +192,10 @@ def test_one_query_sparse_attention_equals_the_batched_einsum_path():
     idx = torch.randperm(N, generator=g)[:K].view(1, 1, K)
     valid = torch.rand(1, 1, K, generator=g) < 0.8
     work = {}
-    taken = []
-    real = linear.uses_onednn
-
-    def spy(*a):
-        taken.append(real(*a))
-        return taken[-1]
-
-    linear.uses_onednn = spy
-    try:
-        with torch.no_grad():
-            one = dsa.sparse_mla_torch(q_abs, q_pe, pool[None], idx, valid, 0.05, work)
-    finally:
-        linear.uses_onednn = real
+    with torch.no_grad():
+        one = dsa.sparse_mla_torch(q_abs, q_pe, pool[None], idx, valid, 0.05, work)
     if torch.backends.mkldnn.is_available() and kernels.MODE != "torch":
-        assert taken == [True, True]  # the scores and the weighted sum, through oneDNN
+        assert onednn_calls == [True, True]  # the scores and the weighted sum, through oneDNN
     with torch.no_grad():
         assert work["selected"].shape == (K * (C + R),)  # the gather went into the reused buffer
         two = dsa.sparse_mla_torch(
