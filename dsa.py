@@ -103,9 +103,9 @@ def index_scores(q, w, k_all, softmax_scale, work=None):
             return torch.einsum("nrh,rh->rn", dots, (w * softmax_scale).reshape(B * T, Hi)).view(B, T, -1)
         if k_all.dim() == 3:
             dots = torch.einsum("bthd,bsd->bths", q, k)  # (B, T, Hi, S)
-        elif torch.is_grad_enabled():  # a pool: one matmul (out= takes no gradient)
+        elif work is None or torch.is_grad_enabled():  # a pool: one matmul (out= takes no gradient)
             dots = (q2 @ k.t()).view(B, T, Hi, -1)  # (B, T, Hi, N)
-        else:  # a pool: one matmul into a buffer, reused when `work` is given
+        else:  # a pool: one matmul into the reused buffer
             dots = reused(work, "dots", (B * T * Hi, k.shape[0]), q.dtype, q.device)
             torch.matmul(q2, k.t(), out=dots)
             dots = dots.view(B, T, Hi, -1)  # (B, T, Hi, N)
