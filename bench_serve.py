@@ -387,11 +387,14 @@ def hf_generate(hf, prompts, n_new):
     return out[:, T:].tolist()
 
 
-def bench_vs_transformers(m, tok, prompts, n_new, batches, dev, compiled=True):
+def bench_vs_transformers(m, tok, prompts, n_new, batches, dev, compiled=True, reps=3):
     """Same prompts, greedy, whole batches: the engine (one request per row, continuous batching), eager and
     compiled (compile=True: torch.compile, decode batches padded to powers of two), against
     transformers' generate (the batch at once). Outputs are compared token for token. The compiled engine
-    is warmed up at every batch first (its graphs compiled: the time is printed, not counted)."""
+    is warmed up at every batch first (its graphs compiled: the time is printed, not counted). Each batch
+    runs `reps` rounds of transformers then each engine, interleaved, so a slow spell on a shared machine
+    falls on every side alike; the rates are the medians, and each ratio's range over the rounds is
+    printed beside it."""
     hf = to_transformers(m)
     if hf is None:
         return []
@@ -418,13 +421,26 @@ def bench_vs_transformers(m, tok, prompts, n_new, batches, dev, compiled=True):
             engines = {b: {"eager": e["eager"]} for b, e in engines.items()}
     rows = []
     for b in batches:
-        ref, t_hf = timed(lambda: hf_generate(hf, prompts[:b], n_new), dev)
+        times = {"transformers": []}  # seconds per round
+        outs = {}
+        for _ in range(reps):
+            ref, t = timed(lambda: hf_generate(hf, prompts[:b], n_new), dev)
+            times["transformers"].append(t)
+            for name, eng in engines[b].items():
+                rs, t = timed(lambda: eng.generate(prompts[:b], greedy), dev)
+                times.setdefault(name, []).append(t)
+                outs[name] = [r.out for r in rs]
+        t_hf = statistics.median(times["transformers"])
         line = f"batch {b:>2}: transformers generate {b * n_new / t_hf:7.1f} tok/s"
-        for name, eng in engines[b].items():
-            rs, t = timed(lambda: eng.generate(prompts[:b], greedy), dev)
-            same = sum(r.out == o for r, o in zip(rs, ref))
+        for name in engines[b]:
+            t = statistics.median(times[name])
+            per_round = [h / e for h, e in zip(times["transformers"], times[name])]
+            same = sum(o == r for o, r in zip(outs[name], ref))
             rows.append((b, name, t_hf / t, same))
-            line += f"; engine {name} {b * n_new / t:7.1f} tok/s = {t_hf / t:.2f}x ({same}/{b} identical)"
+            line += (
+                f"; engine {name} {b * n_new / t:7.1f} tok/s = {t_hf / t:.2f}x "
+                f"(rounds {min(per_round):.2f}-{max(per_round):.2f}x; {same}/{b} identical)"
+            )
         print(line, flush=True)
     return rows
 
@@ -551,6 +567,9 @@ def main():
         "--mixed_gaps", default="0.05,0.005", help="mean gaps between their arrivals, in s, one run each"
     )
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument(
+        "--rounds", type=int, default=3, help="part 0: interleaved rounds per batch (the medians are printed)"
+    )
     ap.add_argument("--no_compile", action="store_true", help="part 0 without the compiled engine")
     ap.add_argument(
         "--threads", type=int, default=0, help="torch threads (0: torch's default); 1 on a busy machine"
@@ -587,11 +606,11 @@ def main():
         print(
             f"\n== 0. against transformers' GlmMoeDsaForCausalLM.generate, same weights, sparse attention "
             f"(DSA top-{m.config.index_topk}): prompts of {a.prompt_len} tokens, {a.new_tokens} new tokens "
-            "each, greedy =="
+            f"each, greedy; batches: the medians of {a.rounds} interleaved rounds =="
         )
         mode = m.config.dsa_mode
         m.config.dsa_mode = "sparse"  # transformers' model always selects; the toy pretrains dense
-        bench_vs_transformers(m, tok, prompts, a.new_tokens, batches, dev, not a.no_compile)
+        bench_vs_transformers(m, tok, prompts, a.new_tokens, batches, dev, not a.no_compile, a.rounds)
         gaps = [float(g) for g in a.mixed_gaps.split(",")]
         bench_mixed(m, tok, a.mixed_requests, gaps, max(batches), dev, loader, not a.no_compile)
         m.config.dsa_mode = mode

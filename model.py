@@ -446,7 +446,7 @@ class MoE(nn.Module):
         # group the (token, slot) pairs by expert, then run every expert over its tokens
         order = ids.flatten().argsort(stable=True)  # (N * k,) pair indices, expert-major
         xs = flat.index_select(0, order // k)  # (N * k, D) the tokens, grouped by expert
-        y = experts.combine_experts(self.experts(xs, counts), order, w, flat.dtype)  # (N, D)
+        y = experts.combine_experts(self.experts(xs, counts, decode=T == 1), order, w, flat.dtype)  # (N, D)
         balance = None
         if want_balance:
             balance = experts.sequence_balance_loss(scores.view(B, T, E), ids.view(B, T, k), E)

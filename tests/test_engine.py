@@ -143,8 +143,9 @@ def test_compiled_decode_equals_eager(ckpt, one_thread, num_pages):
     """compile=True: the prefill and decode forwards through torch.compile, the decode batch padded to its
     bucket (4, then 3 rows run as 4, 2, 1) with the padding on the scratch page, the history's length
     dynamic.
-    In fp32 (the grouped experts, as served): greedy outputs equal the eager engine's and logprobs agree
-    to fp32 rounding; with a pool of just the pages reserved (24) the last steps read it in place."""
+    In fp32, as served (the decode graphs' experts by pairs, the prefill's by the grouped GEMM): greedy
+    outputs equal the eager engine's and logprobs agree to fp32 rounding; with a pool of just the pages
+    reserved (24) the last steps read it in place."""
     inductor_or_skip()
     m = engine.load_model(ckpt[0]).float()
     sps = [dataclasses.replace(GREEDY, max_tokens=n, logprobs=1) for n in (16, 5, 9, 3)]

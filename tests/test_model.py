@@ -315,6 +315,40 @@ def test_grouped_experts_equal_the_loop_forward_and_gradients(dtype):
     assert not grads[0][1][[3, 6]].any() and grads[0][1][[0, 1, 2, 4, 5, 7]].abs().amax((1, 2)).min() > 0
 
 
+def test_compiled_decode_experts_by_pairs_equal_the_loop(monkeypatch):
+    """Compiled, a CPU decode step with at most PAIRS_MAX_ROWS_PER_EXPERT rows per expert computes each
+    (token, expert) pair's product (experts_pairs: the weight gather fused into inductor's loop) and equals
+    the per-expert loop; more rows per expert take the grouped GEMM's op, and so does eager decode."""
+    try:
+        torch.compile(lambda t: t * 2 + 1)(torch.ones(3))
+    except Exception as e:  # no C++ compiler for inductor
+        pytest.skip(f"torch.compile (inductor) is unavailable here: {type(e).__name__}: {e}")
+    E, D, Fh = 8, 48, 16
+    gate_up = 0.3 * torch.randn(E, 2 * Fh, D)
+    down = 0.3 * torch.randn(E, D, Fh)
+    taken = []
+    pairs = experts.experts_pairs
+
+    def spy(*args):  # runs while dynamo traces: it records which graphs hold the pairs path
+        taken.append(args[0].shape[0])
+        return pairs(*args)
+
+    monkeypatch.setattr(experts, "experts_pairs", spy)
+    torch._dynamo.reset()
+    step = torch.compile(lambda x, c: experts.run_experts(x, c, gate_up, down, decode=True))
+    limit = experts.PAIRS_MAX_ROWS_PER_EXPERT * E
+    with torch.no_grad():
+        for counts in ([5, 1, 7, 0, 2, 9, 0, 4], [9, 0, 11, 3, 4, 8, 0, 9]):  # 28 rows, then 44
+            counts = torch.tensor(counts)
+            x = torch.randn(int(counts.sum()), D)
+            want = experts.run_experts(x, counts, gate_up, down, "loop")
+            torch.testing.assert_close(step(x, counts), want, rtol=0, atol=1e-5)
+            assert (x.shape[0] in taken) == (x.shape[0] <= limit)
+            eager = experts.run_experts(x, counts, gate_up, down, decode=True)
+            torch.testing.assert_close(eager, want, rtol=0, atol=1e-5)
+    assert taken == [28]  # the eager calls never took it
+
+
 def test_moe_grouped_equals_loop_and_needs_no_host_sync(monkeypatch):
     """The whole MoE layer through both paths, training mode (balance loss, load counts) included; the
     grouped path never reads a tensor back to Python (tolist, item, int, bool all raise here)."""
