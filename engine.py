@@ -57,7 +57,10 @@ forwards. Pages for prompt + max_tokens are reserved at admission (no preemption
 device. compile=True leaves the MTP block's drafts and the sampling eager; its graphs (about ten: one row
 and several, histories on both sides of index_topk; seconds each on a CPU) are built by warm_up, or on
 first use without it, and its greedy outputs equal the eager path's in the tests, not bit for bit its
-logits (fused kernels round differently). The MTP block's drafts 2..N reuse its cache
+logits (fused kernels round differently). On a CPU the decode graphs compute the routed experts per
+(token, expert) pair (experts.experts_pairs) up to 4 rows per expert on average; a larger batch bucket
+(above 32 rows for the toy's 16 experts and top-2) takes the grouped GEMM in a graph of its own, which
+warm_up does not build. The MTP block's drafts 2..N reuse its cache
 slots at the next positions, an approximation that lowers the accept rate but never changes the output. A
 weight update holds two copies of the weights while it loads, and recomputes each running request's cache
 with one prefill (AReaL's choice; SGLang can also keep the stale cache or abort); weights come from disk
@@ -681,7 +684,8 @@ class Engine:
         is missing, unreadable or of other shapes; the served weights are then untouched. Only
         safetensors directories are taken: a pickled ckpt.pt named by a client could run code."""
         self.check_version(version)
-        from quantized import QuantExperts, QuantLinear  # here, as in load_model: only quantized serving needs it
+        # here, as in load_model: only quantized serving needs it
+        from quantized import QuantExperts, QuantLinear
 
         if any(isinstance(mod, (QuantLinear, QuantExperts)) for mod in self.model.modules()):
             raise ValueError(
