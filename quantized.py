@@ -67,7 +67,8 @@ class QuantLinear(nn.Module):
 class QuantExperts(nn.Module):
     """experts.Experts with quantized weights: gate_up (E, 2F, D) and down (E, D, F) as INT4 words
     (`*_packed`, the last dim / 8) or INT8 (`*_weight`), scales `*_scale` (E, rows, groups).
-    forward(x, counts): x (rows, D) sorted by expert, counts (E,) -> (rows, D)."""
+    forward(x, counts): x (rows, D) sorted by expert, counts (E,) -> (rows, D); impl and decode are
+    experts.Experts.forward's, which the quantized kernels do not need."""
 
     def __init__(self, n, dim, hidden, num_bits, group_size, scale_dtype):
         super().__init__()
@@ -80,7 +81,7 @@ class QuantExperts(nn.Module):
                 self.register_buffer(f"{name}_packed", torch.empty(n, rows, -(-cols // 8), dtype=torch.int32))
             self.register_buffer(f"{name}_scale", torch.empty(n, rows, G, dtype=scale_dtype))
 
-    def forward(self, x, counts, impl=None):
+    def forward(self, x, counts, impl=None, decode=False):
         if self.num_bits == 4:
             h = kernels_quant.w4a8_experts(x, counts, self.gate_up_packed, self.gate_up_scale, self.dim)
             g, u = h.chunk(2, dim=-1)  # (rows, F) each
