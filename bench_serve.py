@@ -10,8 +10,10 @@ Serving benchmarks for engine.py, each measured side by side in one run on the s
                 generate serves as left-padded batches of what has arrived. The engine runs twice: eager,
                 and compiled (compile=True: torch.compile of the prefill and decode forwards, decode batches
                 padded to powers of two; the graphs built first, their time printed, not counted;
-                --no_compile leaves it out). Outputs are compared token for token. transformers is
-                optional: without it this part says so.
+                --no_compile leaves it out). The batches run --rounds interleaved rounds (transformers,
+                eager, compiled; medians, each ratio's range over the rounds printed); the mixed workload
+                runs once. Outputs are compared token for token. transformers is optional: without it
+                this part says so.
 1. throughput   engine.Engine (paged latent cache, continuous batching) at batch 1, 8 and 32 against a
                 naive loop that re-runs the full forward over the whole sequence for every new token, one
                 request at a time (no cache, no batching). Greedy; the engine's tokens are checked against
@@ -387,12 +389,12 @@ def hf_generate(hf, prompts, n_new):
     return out[:, T:].tolist()
 
 
-def bench_vs_transformers(m, tok, prompts, n_new, batches, dev, compiled=True, reps=3):
+def bench_vs_transformers(m, tok, prompts, n_new, batches, dev, compiled=True, rounds=3):
     """Same prompts, greedy, whole batches: the engine (one request per row, continuous batching), eager and
     compiled (compile=True: torch.compile, decode batches padded to powers of two), against
     transformers' generate (the batch at once). Outputs are compared token for token. The compiled engine
     is warmed up at every batch first (its graphs compiled: the time is printed, not counted). Each batch
-    runs `reps` rounds of transformers then each engine, interleaved, so a slow spell on a shared machine
+    runs `rounds` rounds of transformers then each engine, interleaved, so a slow spell on a shared machine
     falls on every side alike; the rates are the medians, and each ratio's range over the rounds is
     printed beside it."""
     hf = to_transformers(m)
@@ -423,7 +425,7 @@ def bench_vs_transformers(m, tok, prompts, n_new, batches, dev, compiled=True, r
     for b in batches:
         times = {"transformers": []}  # seconds per round
         outs = {}
-        for _ in range(reps):
+        for _ in range(rounds):
             ref, t = timed(lambda: hf_generate(hf, prompts[:b], n_new), dev)
             times["transformers"].append(t)
             for name, eng in engines[b].items():
