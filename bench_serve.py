@@ -293,8 +293,8 @@ def bench_dsa(contexts, reps, dev, dtype):
         flops = 2 * cfg.index_n_heads * Di * S
         print(
             f"{S:>7} tokens: the indexer's scores alone ({flops / 1e9:.2f} GFLOP, one matmul) take "
-            f"{score * 1e3:.1f} ms; weights + scores = {(weight_bytes / bw + score) * 1e3:.1f} ms, a floor the "
-            "byte bound does not count",
+            f"{score * 1e3:.1f} ms; weights + scores = {(weight_bytes / bw + score) * 1e3:.1f} ms, a floor "
+            "the byte bound does not count",
             flush=True,
         )
         if dev == "cpu":  # the same matmul as index_quant "int8" runs it: one int8 GEMM, int32 out

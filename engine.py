@@ -59,8 +59,8 @@ and several, histories on both sides of index_topk; seconds each on a CPU) are b
 first use without it, and its greedy outputs equal the eager path's in the tests, not bit for bit its
 logits (fused kernels round differently). On a CPU the decode graphs compute the routed experts per
 (token, expert) pair (experts.experts_pairs) up to 4 rows per expert on average; a larger batch bucket
-(above 32 rows for the toy's 16 experts and top-2) takes the grouped GEMM in a graph of its own, which
-warm_up does not build. The MTP block's drafts 2..N reuse its cache
+(above 32 rows of the batch for the toy: 64 (token, expert) pairs over 16 experts) takes the grouped GEMM
+in a graph of its own, which warm_up does not build. The MTP block's drafts 2..N reuse its cache
 slots at the next positions, an approximation that lowers the accept rate but never changes the output. A
 weight update holds two copies of the weights while it loads, and recomputes each running request's cache
 with one prefill (AReaL's choice; SGLang can also keep the stale cache or abort); weights come from disk
