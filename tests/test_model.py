@@ -93,6 +93,40 @@ def test_decoding_with_per_row_positions():
         m(nxt, cache=cache, start_pos=16)
 
 
+@pytest.mark.parametrize("pool", [True, False])
+def test_one_query_dense_attention_equals_the_batched_einsum_path(onednn_calls, pool):
+    """A decode step of one row attends densely through MLA.one_query_attention: two linear.linear GEMMs over
+    the latents (oneDNN on a CPU); the same query inside a batch of two takes absorbed_attention's einsums.
+    Same output and probabilities to fp32 rounding at GLM-5's 576-value latent, over a page pool read in
+    place (a (1, 1, N) mask of the row's pool rows) and over one row's contiguous latents."""
+    import kernels
+
+    cfg = tiny_config(
+        num_attention_heads=16, num_key_value_heads=16, kv_lora_rank=512, qk_rope_head_dim=64, index_head_dim=64
+    )
+    attn = model.MLA(cfg)
+    g = torch.Generator().manual_seed(6)
+    H, C, R, N = 16, 512, 64, 300  # 16 x 576 x 300 multiply-adds: linear.py's rule takes oneDNN
+    latent = torch.randn(N, C + R, generator=g)
+    mask = torch.rand(1, 1, N, generator=g) < 0.7
+    if not pool:
+        latent = latent[None]  # (1, S, C + R)
+    q_abs, q_pe = torch.randn(1, 1, H, C, generator=g), torch.randn(1, 1, H, R, generator=g)
+    with torch.no_grad():
+        one, probs = attn.absorbed_attention(q_abs, q_pe, latent, mask)
+    if torch.backends.mkldnn.is_available() and kernels.MODE != "torch":
+        assert onednn_calls == [True, True]  # the scores and the weighted sum, through oneDNN
+    two_latent = latent if pool else latent.expand(2, -1, -1)
+    with torch.no_grad():
+        two, two_probs = attn.absorbed_attention(
+            q_abs.expand(2, -1, -1, -1), q_pe.expand(2, -1, -1, -1), two_latent, mask.expand(2, -1, -1)
+        )
+    assert one.shape == (1, 1, H, C) and probs.shape == (1, H, 1, N)
+    torch.testing.assert_close(one, two[:1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(probs, two_probs[:1], rtol=1e-5, atol=1e-6)
+    assert (probs[0, :, 0][:, ~mask[0, 0]] == 0).all() and one.std() > 0.01
+
+
 def test_greedy_generate_equals_uncached_argmax_loop():
     m = f64_model()
     prompt = torch.randint(0, 97, (1, 4))
