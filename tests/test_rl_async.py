@@ -471,17 +471,19 @@ class ShortEnv(CoinEnv):
 @pytest.mark.slow
 def test_the_loop_learns_a_reward_the_policy_can_reach(loop, monkeypatch):
     """End to end, async: the held-out reward of the short-reply task rises well past where it starts (here
-    from 0.5 to about 0.9 in 30 steps; async sampling varies between runs), so the
-    losses, advantages and pushes point the right way."""
+    from 0.60 to 0.84-0.93 in 30 steps over five runs; async sampling varies between runs), so the losses,
+    advantages and pushes point the right way. The held-out reward is one sample per episode: over 32
+    episodes its own noise was about 0.06 (one full-suite run read 0.72 where others read 0.81-0.94), over
+    96 it is about 0.035."""
     make, settings = loop
     monkeypatch.setitem(envs.ENVS, "short", ShortEnv)
     urls, servers, m = make(2)
     cfg = settings | dict(tasks="short:0:1", group_size=8, groups_per_step=4, max_steps=30, max_tokens=16)
-    cfg |= dict(task_concurrency=8, eval_every=30, eval_episodes=32, lr_muon=3e-3, lr_adamw=6e-4)
+    cfg |= dict(task_concurrency=8, eval_every=30, eval_episodes=96, lr_muon=3e-3, lr_adamw=6e-4)
     records = rl_async.train(m, m_tok(servers), urls, cfg, log=lambda s: None)
     start = records[0]["heldout_reward"]["short:0"]
     end = records[-1]["heldout_reward"]["short:0"]
-    assert end >= start + 0.2 and end >= 0.75, (start, end)
+    assert end >= start + 0.15 and end >= 0.75, (start, end)  # a loop that does not learn: within 0.1
 
 
 def test_a_late_refusal_does_not_drop_a_replica_that_rejoined(tok):
