@@ -7,7 +7,8 @@ config.json), in one file:
 
 - MLA (DeepSeek-V2 report, section 2.1) in both forms, one switch `form`: "naive" expands c_kv with
   kv_b_proj into per-head keys and values (MHA; training and prefill); "absorb" folds W_UK into the
-  query and W_UV into the output and attends over the latents (MQA; decode over the latent cache).
+  query and W_UV into the output and attends over the latents (MQA; decode over the latent cache; one
+  row's dense decode step as two GEMMs over the latents, MLA.one_query_attention).
 - DeepSeek Sparse Attention from dsa.py (DeepSeek-V3.2 report): the indexer, top-k selection, sparse
   MLA over the selected latents (absorbed form) or its dense-masked reference (naive form), and the
   indexer KL of the dense warm-up and the sparse stage, built once from the attention that ran.
