@@ -195,14 +195,12 @@ def quantized_index_scores(q, w, packed_k, softmax_scale, work=None):
     q_int, q_scale = quantize_int8(q)  # (B, T, Hi, Di), (B, T, Hi)
     with torch.autocast(q.device.type, enabled=False):
         if k_int.dim() == 2 and q.device.type == "cpu":  # one int8 GEMM (VNNI / AMX where the CPU has it)
-            shape = (k_int.shape[0], B * T * Hi)  # the keys as the rows, as index_scores' oneDNN GEMM
+            shape = (B * T * Hi, k_int.shape[0])
             dots_int = reused(work, "dots_int", shape, torch.int32, q.device)
-            torch._int_mm(k_int, q_int.reshape(-1, Di).t(), out=dots_int)
+            torch._int_mm(q_int.reshape(-1, Di), k_int.t(), out=dots_int)
             dots = reused(work, "dots", shape, torch.float32, q.device)
-            dots.copy_(dots_int.relu_())  # (N, B T Hi)
-            wq = (w.float() * q_scale * softmax_scale).reshape(B * T, Hi)
-            I = torch.einsum("nrh,rh->rn", dots.view(-1, B * T, Hi), wq)  # (B T, N)
-            return I.view(B, T, -1) * k_scale  # (B, T, N)
+            dots.copy_(dots_int.relu_())
+            dots = dots.view(B, T, Hi, -1)  # (B, T, Hi, N)
         else:
             pattern = "bthd,bsd->bths" if k_int.dim() == 3 else "bthd,sd->bths"
             dots = torch.einsum(pattern, q_int.float(), k_int.float()).relu_()  # (B, T, Hi, S)
@@ -216,7 +214,7 @@ WORK_MAX_BYTES = 64 * 2**20  # a reused buffer's most: bigger ones (wide batches
 def reused(work, name, shape, dtype, device):
     """An uninitialised `shape` tensor: the buffer `work[name]` (grown when too small, kept) where `work` is a
     dict and the tensor at most WORK_MAX_BYTES, a fresh tensor otherwise. A paged cache holds one such dict
-    (PagedCache.work) for its decode steps (model.MLA passes it when T == 1), which write their (N, Hi) int8
+    (PagedCache.work) for its decode steps (model.MLA passes it when T == 1), which write their (Hi, N) int8
     index products, 8 MB per row at 64K tokens, and their 2,048 gathered latents, 4.7 MB, into the same
     memory every layer and step. A fresh tensor that size costs more than the product filling it: glibc maps
     large blocks from the OS and hands them back on free, so each step page-faults them in again (the int8
