@@ -7,8 +7,8 @@ config.json), in one file:
 
 - MLA (DeepSeek-V2 report, section 2.1) in both forms, one switch `form`: "naive" expands c_kv with
   kv_b_proj into per-head keys and values (MHA; training and prefill); "absorb" folds W_UK into the
-  query and W_UV into the output and attends over the latents (MQA; decode over the latent cache; one
-  row's dense decode step as two GEMMs over the latents, MLA.one_query_attention).
+  query and W_UV into the output and attends over the latents (MQA; decode over the latent cache; a
+  dense decode step as two GEMMs over the latents, MLA.decode_attention).
 - DeepSeek Sparse Attention from dsa.py (DeepSeek-V3.2 report): the indexer, top-k selection, sparse
   MLA over the selected latents (absorbed form) or its dense-masked reference (naive form), and the
   indexer KL of the dense warm-up and the sparse stage, built once from the attention that ran.
@@ -399,9 +399,11 @@ class MLA(nn.Module):
         """MQA form over all the latents (B, S, C + R) under `mask` (B or 1, T, S); or over a page pool
         (N, C + R) shared by the rows, read in place, under a (B, T, N) mask of each row's pool rows.
         q_abs (B, T, H, C) already holds W_UK. Returns o_lat (B, T, H, C), before W_UV, and probs.
-        One query with no gradient (a decode step of one row) takes one_query_attention."""
-        if q_abs.shape[0] * q_abs.shape[1] == 1 and not torch.is_grad_enabled():
-            return self.one_query_attention(q_abs, q_pe, latent, mask)
+        A decode step with no gradient (one query per row, one row or a shared pool) takes
+        decode_attention."""
+        B, T = q_abs.shape[:2]
+        if T == 1 and (B == 1 or latent.dim() == 2) and not torch.is_grad_enabled():
+            return self.decode_attention(q_abs, q_pe, latent, mask)
         c_kv, k_pe = latent.split([self.cfg.kv_lora_rank, self.cfg.qk_rope_head_dim], dim=-1)
         kv = "bsc" if latent.dim() == 3 else "sc"
         kr = "bsr" if latent.dim() == 3 else "sr"
@@ -410,25 +412,27 @@ class MLA(nn.Module):
         probs = scores.softmax(dim=-1)  # (B, H, T, S or N)
         return torch.einsum(f"bhts,{kv}->bthc", probs.to(c_kv.dtype), c_kv), probs
 
-    def one_query_attention(self, q_abs, q_pe, latent, mask):
-        """absorbed_attention for one query (B = T = 1), no gradient: the scores are one GEMM of
-        [q_abs | q_pe] (H, C + R) against the latents as a weight's rows, the output one GEMM of the
-        probabilities against them (all C + R columns, then the first C), both through linear.linear
-        (oneDNN on a CPU), as dsa.sparse_scores does for DSA's selected rows; scale, mask and softmax go in
-        place. On a CPU dense decode is arithmetic: 2 x 64 heads x (576 + 576) flops per cached latent at
-        GLM-5's shapes. One layer's step at 64K (bench_serve.py part 3's layer, nine interleaved rounds)
-        took 111-125 ms through the einsums (MKL's products, the RoPE part apart, five fresh (H, S)
-        temporaries) and 72-76 ms through this; the in-place softmax then took it from 66 to 59 ms (a fresh
-        (H, S) tensor page-faults in). Same results as the einsums to fp32 rounding (tests/test_model.py)."""
-        H, C = q_abs.shape[2], q_abs.shape[3]
+    def decode_attention(self, q_abs, q_pe, latent, mask):
+        """absorbed_attention for one query per row (T = 1) over one row's latents (B = 1) or over a pool
+        every row shares, no gradient: the scores are one GEMM of every row's [q_abs | q_pe] (B H, C + R)
+        against the latents as a weight's rows, the output one GEMM of the probabilities back through them
+        (all C + R columns, then the first C), both through linear.linear (oneDNN on a CPU), as
+        dsa.sparse_scores does for DSA's selected rows; scale, mask and softmax go in place. On a CPU dense
+        decode is arithmetic: 2 x 64 heads x (576 + 576) flops per cached latent at GLM-5's shapes. One
+        layer's step at 64K (bench_serve.py part 3's layer, nine interleaved rounds) took 111-125 ms through
+        the einsums (MKL's products, the RoPE part apart, five fresh (H, S) temporaries) and 72-76 ms through
+        this; the in-place softmax then took it from 66 to 59 ms (a fresh (H, S) tensor page-faults in).
+        Four rows sharing that history's pages: 361 ms through the einsums, 179 ms through this. Same results
+        as the einsums to fp32 rounding (tests/test_model.py)."""
+        B, _, H, C = q_abs.shape
         rows = latent.reshape(-1, latent.shape[-1])  # (S, C + R), or the pool's (N, C + R)
-        q = torch.cat([q_abs[0, 0], q_pe[0, 0]], dim=-1)  # (H, C + R)
-        scores = upcast(linear.linear(q, rows))  # (H, S or N)
-        scores.mul_(self.softmax_scale).masked_fill_(~mask.reshape(1, -1), float("-inf"))
+        q = torch.cat([q_abs[:, 0], q_pe[:, 0]], dim=-1).reshape(B * H, -1)  # (B H, C + R)
+        scores = upcast(linear.linear(q, rows)).view(B, H, -1)  # (B, H, S or N)
+        scores.mul_(self.softmax_scale).masked_fill_(~mask.reshape(mask.shape[0], 1, -1), float("-inf"))
         scores.sub_(scores.amax(dim=-1, keepdim=True)).exp_()  # the softmax, in place
-        probs = scores.div_(scores.sum(dim=-1, keepdim=True))  # (H, S or N)
-        o_lat = linear.linear(probs.to(rows.dtype), rows.t())[:, :C]  # (H, C)
-        return o_lat.view(1, 1, H, C), probs.view(1, H, 1, -1)
+        probs = scores.div_(scores.sum(dim=-1, keepdim=True))  # (B, H, S or N)
+        o_lat = linear.linear(probs.view(B * H, -1).to(rows.dtype), rows.t())[:, :C]  # (B H, C)
+        return o_lat.view(B, 1, H, C), probs.view(B, H, 1, -1)
 
 
 # -----------------------------------------------------------------------------
