@@ -483,7 +483,7 @@ def test_the_loop_learns_a_reward_the_policy_can_reach(loop, monkeypatch):
     records = rl_async.train(m, m_tok(servers), urls, cfg, log=lambda s: None)
     start = records[0]["heldout_reward"]["short:0"]
     end = records[-1]["heldout_reward"]["short:0"]
-    assert end >= start + 0.15 and end >= 0.75, (start, end)  # a loop that does not learn: within 0.1
+    assert end >= start + 0.15 and end >= 0.75, (start, end)  # with both learning rates 0: 0.60 -> 0.61
 
 
 def test_a_late_refusal_does_not_drop_a_replica_that_rejoined(tok):
