@@ -419,11 +419,12 @@ class MLA(nn.Module):
         (all C + R columns, then the first C), both through linear.linear (oneDNN on a CPU), as
         dsa.sparse_scores does for DSA's selected rows; scale, mask and softmax go in place. On a CPU dense
         decode is arithmetic: 2 x 64 heads x (576 + 576) flops per cached latent at GLM-5's shapes. One
-        layer's step at 64K (bench_serve.py part 3's layer, nine interleaved rounds) took 111-125 ms through
-        the einsums (MKL's products, the RoPE part apart, five fresh (H, S) temporaries) and 72-76 ms through
-        this; the in-place softmax then took it from 66 to 59 ms (a fresh (H, S) tensor page-faults in).
-        Four rows sharing that history's pages: 361 ms through the einsums, 179 ms through this. Same results
-        as the einsums to fp32 rounding (tests/test_model.py)."""
+        layer's step at 64K (bench_serve.py part 3's layer, interleaved rounds, two runs): 111-125 ms
+        through the einsums (MKL's products, the RoPE part apart, five fresh (H, S) temporaries) against
+        72-76 ms through this with a fresh softmax output; in the second run 63-71 ms with that fresh output
+        (it page-faults in) against 57-61 ms with the softmax in place, as here. Four rows sharing that
+        history's pages: 361 ms through the einsums, 179 ms through this. Same results as the einsums to
+        fp32 rounding (tests/test_model.py)."""
         B, _, H, C = q_abs.shape
         rows = latent.reshape(-1, latent.shape[-1])  # (S, C + R), or the pool's (N, C + R)
         q = torch.cat([q_abs[:, 0], q_pe[:, 0]], dim=-1).reshape(B * H, -1)  # (B H, C + R)
