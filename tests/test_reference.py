@@ -282,8 +282,12 @@ def test_mtp_step1_matches_reference():
         assert d < 1e-9, (
             f"seed={seed}: {key} loss {losses[key].item():.15f} vs reference {ref.item():.15f} ({d:.3e})"
         )
-    # the MTP loss is not the LM loss in disguise
-    assert abs(ref_mtp_loss - ref_lm_loss).item() > 1e-3, f"seed={seed}"
+    # the MTP loss is not the LM loss in disguise. Both losses sit near ln(vocab) for random weights,
+    # so their gap can be small (3.8e-4 for seed 1724829602, where a 1e-3 bound failed); what must hold
+    # is that the gap dwarfs the 1e-9 tolerance above, and that the logits behind them differ outright
+    # (their max difference was 5.07-5.2 over seeds 0-39).
+    assert abs(ref_mtp_loss - ref_lm_loss).item() > 1e-6, f"seed={seed}"
+    assert maxdiff(ref_mtp, ref_logits[:, 1:]) > 1e-1, f"seed={seed}"
 
 
 @pytest.mark.parametrize(
