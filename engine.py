@@ -462,7 +462,9 @@ class Engine:
         """Point the cache at these rows' pages. starts: each row's first position (host ints) ->
         positions (B, T). A row's positions past its own pages (right padding)
         land on the scratch page; so do `pad` extra rows at position 0 (a compiled step's batch bucket).
-        width: the page tables' least width (a compiled step's is fixed, so no page count recompiles)."""
+        width: the page tables' least width (a compiled step's is fixed, so no page count recompiles).
+        An eager decode step also gives the cache each row's length, so long rows can each read their own
+        stretch of the pool in place (PagedCache.point)."""
         P = self.cache.page_size
         scratch = self.cache.scratch
         n = max(max(len(r.pages) for r in rows), -(-(max(starts) + T) // P))  # pages the rows use
@@ -470,7 +472,10 @@ class Engine:
         # pages) and the padding rows are one fill: a (32, 257) list of ints cost 0.8 ms a step
         tables = torch.full((len(rows) + pad, max(n, width)), scratch, dtype=torch.long)  # (B, n)
         tables[: len(rows), :n] = torch.tensor([r.pages + [scratch] * (n - len(r.pages)) for r in rows])
-        self.cache.point(tables.to(self.device), max(starts) + T)
+        ends = None
+        if T == 1 and pad == 0 and width == 0:  # an eager decode step: long rows may each read their stretch
+            ends = [s + 1 for s in starts]
+        self.cache.point(tables, max(starts) + T, ends)  # the host tables; point moves them to the device
         start = torch.tensor(starts + [0] * pad, device=self.device)
         return start.view(-1, 1) + torch.arange(T, device=self.device)  # (B, T)
 

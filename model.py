@@ -302,37 +302,57 @@ class MLA(nn.Module):
 
         # the keys: this step's, or everything cached so far; query t sees key positions 0..last[t]
         rows = None  # a paged cache read in place: (B, S) pool row of each row's positions
-        if cache is not None:
-            latent_all, index_k_all = cache.write(layer_id, positions, latent, index_k)  # (B, S, ...)
-            rows = getattr(cache, "rows", None)  # set: latent_all (N, C + R), index_k_all (N, Ki) pools
-            if (index_k_all.dtype == torch.int8) != (c.index_quant == "int8"):
-                raise ValueError(
-                    f"the cache holds {index_k_all.dtype} index keys but config.index_quant is "
-                    f"{c.index_quant!r}; set index_quant before building the cache (or the Engine)"
-                )
-            if rows is not None and (want_kl or (form or "absorb") == "naive"):  # these need the history
-                latent_all, index_k_all, rows = latent_all[rows], index_k_all[rows], None
-            last = positions  # (B, T)
-        else:
-            latent_all, index_k_all = latent, index_k
+        if cache is None:
             last = torch.arange(T, device=x.device)[None]  # (1, T)
+            o, kl = self.attend(q_nope, q_pe, iq, iw, latent, index_k, rows, last, form, want_kl, False)
+            return self.o_proj(o.reshape(B, T, H * c.v_head_dim)), kl
+        latent_all, index_k_all = cache.write(layer_id, positions, latent, index_k)  # (B, S, ...)
+        rows = getattr(cache, "rows", None)  # set: latent_all (N, C + R), index_k_all (N, Ki) pools
+        spans = getattr(cache, "spans", None)  # set: the same pools, each row read alone
+        if (index_k_all.dtype == torch.int8) != (c.index_quant == "int8"):
+            raise ValueError(
+                f"the cache holds {index_k_all.dtype} index keys but config.index_quant is "
+                f"{c.index_quant!r}; set index_quant before building the cache (or the Engine)"
+            )
+        needs_history = want_kl or (form or "absorb") == "naive" or (spans is not None and T > 1)
+        if needs_history and spans is not None:
+            rows = cache.history_rows()  # (B, S) each position's pool row
+            spans = None
+        if needs_history and rows is not None:  # these read every row's history, gathered as one batch
+            latent_all, index_k_all, rows = latent_all[rows], index_k_all[rows], None
+        work = None
+        if T == 1:  # decode: a paged cache's buffers, reused across steps (dsa.reused)
+            work = getattr(cache, "work", None)
+        if spans is None:
+            o, kl = self.attend(
+                q_nope, q_pe, iq, iw, latent_all, index_k_all, rows, positions, form, want_kl, True, work
+            )
+            return self.o_proj(o.reshape(B, T, H * c.v_head_dim)), kl
+        o = self.attend_each_row(q_nope, q_pe, iq, iw, latent_all, index_k_all, spans, positions, work)
+        return self.o_proj(o.reshape(B, T, H * c.v_head_dim)), None
+
+    def attend(
+        self, q_nope, q_pe, iq, iw, latent_all, index_k_all, rows, last, form, want_kl, cached, work=None
+    ):
+        """Attention over the keys, after the projections: q_nope (B, T, H, nope), q_pe (B, T, H, R) roped,
+        the indexer's iq (B, T, Hi, Di) and iw (B, T, Hi) (None when it does not run); latent_all and
+        index_k_all (B, S, ...) the keys, or with rows (B, S) set a page pool (N, ...) read in place;
+        query t sees key positions 0..last[t], last (B or 1, T). cached: the keys come from a cache (the
+        absorbed form is then the default). work: a paged cache's reused buffers (dsa.reused).
+        Returns o (B, T, H, v) before o_proj, and the indexer KL (want_kl) or None."""
+        c = self.cfg
+        B, T, H, _ = q_nope.shape
         S = latent_all.shape[1] if rows is None else rows.shape[1]
-        visible = torch.arange(S, device=x.device) <= last[..., None]  # (B or 1, T, S)
+        visible = torch.arange(S, device=q_nope.device) <= last[..., None]  # (B or 1, T, S)
 
         # DSA: with no more visible keys than index_topk, top-k would keep them all: sparse == dense
-        select = sparse and S > c.index_topk
-        form = form or ("absorb" if select or cache is not None else "naive")
+        select = c.dsa_mode == "sparse" and S > c.index_topk
+        form = form or ("absorb" if select or cached else "naive")
         if form not in ("naive", "absorb"):
             raise ValueError(f"MLA form must be 'naive' or 'absorb', got {form!r}")
+        idx = valid = None
         if select:  # idx: positions, or pool rows when reading a pool in place
-            scale = self.indexer.softmax_scale
-            keys = index_k_all
-            if c.index_quant == "int8" and keys.dtype != torch.int8:  # fresh keys: packed as a cache packs
-                keys = dsa.pack_index_keys(keys)  # (B, S, Di + 4) int8
-            work = None
-            if T == 1:  # decode: a paged cache's buffers, reused across steps (dsa.reused)
-                work = getattr(cache, "work", None)
-            idx, valid = dsa.index_topk(iq, iw, keys, last, c.index_topk, scale, rows, work)  # (B, T, K)
+            idx, valid = self.select(iq, iw, index_k_all, rows, last, work)  # (B, T, K)
 
         if form == "naive":
             mask = dsa.selection_mask(idx, valid, S) if select else visible  # (B or 1, T, S)
@@ -340,22 +360,12 @@ class MLA(nn.Module):
         else:
             w_uk, w_uv = self.w_uk_uv()
             q_abs = torch.einsum("bthd,hdc->bthc", q_nope, w_uk)  # (B, T, H, C)
-            if select:  # each query reads only its K selected latents (Triton on a GPU)
-                pool = latent_all if rows is None else latent_all[None].expand(B, -1, -1)  # a view
-                o_lat, lse = dsa.sparse_mla(q_abs, q_pe, pool, idx, valid, self.softmax_scale, work)
-            else:
-                mask = visible
-                if rows is not None:  # the visible positions marked at their pool rows: (B, T, N)
-                    N = latent_all.shape[0]
-                    where = rows[:, None, :].expand(B, T, S)
-                    mask = torch.zeros(B, T, N, dtype=torch.bool, device=x.device).scatter_(
-                        -1, where, visible
-                    )
-                o_lat, probs = self.absorbed_attention(q_abs, q_pe, latent_all, mask)
+            o_lat, lse, probs, mask = self.over_latents(
+                q_abs, q_pe, latent_all, rows, idx, valid, visible, work
+            )
             o = torch.einsum("bthc,hvc->bthv", o_lat, w_uv)  # fold W_UV into the output: (B, T, H, v)
-        out = self.o_proj(o.reshape(B, T, H * c.v_head_dim))
         if not want_kl:
-            return out, None
+            return o, None
 
         # the indexer KL: the main attention's distribution (summed over heads) against the indexer's,
         # over the keys this attention saw (dense warm-up: every visible key; sparse stage: the selection)
@@ -369,7 +379,61 @@ class MLA(nn.Module):
             target = dsa.attention_target(probs, 1)
             scores = self.indexer.score(iq, iw, index_k_all)
             keys = mask.expand(B, T, S)
-        return out, dsa.indexer_kl(target, scores, keys)
+        return o, dsa.indexer_kl(target, scores, keys)
+
+    def attend_each_row(self, q_nope, q_pe, iq, iw, latent_all, index_k_all, spans, positions, work):
+        """A decode step over several long rows of a page pool (PagedCache.point's spans): each row attends
+        alone, over its own stretch of the pool read in place (first..stop) or, where its pages are
+        scattered, over its gathered history. W_UK and W_UV are applied to every row at once, so each
+        weight is still read once a step. q_nope (B, 1, H, nope), positions (B, 1) -> o (B, 1, H, v)."""
+        c = self.cfg
+        w_uk, w_uv = self.w_uk_uv()
+        q_abs = torch.einsum("bthd,hdc->bthc", q_nope, w_uk)  # (B, 1, H, C)
+        o_lat = []
+        for b, (first, stop, rows_b) in enumerate(spans):
+            one = slice(b, b + 1)
+            if first is None:
+                lat_b, key_b, rows_b = latent_all[rows_b], index_k_all[rows_b], None  # (1, S_b, ...)
+                S_b = lat_b.shape[1]
+            else:
+                lat_b, key_b = latent_all[first:stop], index_k_all[first:stop]  # views of the pool
+                S_b = rows_b.shape[1]
+            visible = torch.arange(S_b, device=q_abs.device) <= positions[one, :, None]  # (1, 1, S_b)
+            idx = valid = None
+            if c.dsa_mode == "sparse" and S_b > c.index_topk:
+                idx, valid = self.select(iq[one], iw[one], key_b, rows_b, positions[one], work)
+            o_b = self.over_latents(q_abs[one], q_pe[one], lat_b, rows_b, idx, valid, visible, work)[0]
+            o_lat.append(o_b)  # (1, 1, H, C)
+        return torch.einsum("bthc,hvc->bthv", torch.cat(o_lat), w_uv)  # (B, 1, H, v)
+
+    def select(self, iq, iw, index_k_all, rows, last, work=None):
+        """DSA's selection: each query's index_topk best keys among positions 0..last (B or 1, T), scored
+        over the index keys (B, S, Ki), or with rows (B, S) set over a pool's (N, Ki) in place
+        -> idx, valid (B, T, K): positions, or pool rows when reading a pool in place."""
+        c = self.cfg
+        keys = index_k_all
+        if c.index_quant == "int8" and keys.dtype != torch.int8:  # fresh keys: packed as a cache packs
+            keys = dsa.pack_index_keys(keys)  # (B, S, Di + 4) int8
+        return dsa.index_topk(iq, iw, keys, last, c.index_topk, self.indexer.softmax_scale, rows, work)
+
+    def over_latents(self, q_abs, q_pe, latent_all, rows, idx, valid, visible, work=None):
+        """The absorbed form's attention, W_UK already folded into q_abs (B, T, H, C): over each query's
+        selected latents (idx, valid from select) or, idx None, over every visible one (visible (B or 1,
+        T, S)), of latent_all (B, S, C + R) or, with rows (B, S) set, of a pool (N, C + R) read in place.
+        -> o_lat (B, T, H, C) before W_UV, and for the indexer KL: lse (B, T, H) when selecting, else
+        probs (B, H, T, S or N) and the mask they were taken under."""
+        B, T = q_abs.shape[:2]
+        if idx is not None:  # each query reads only its K selected latents (Triton on a GPU)
+            pool = latent_all if rows is None else latent_all[None].expand(B, -1, -1)  # a view
+            o_lat, lse = dsa.sparse_mla(q_abs, q_pe, pool, idx, valid, self.softmax_scale, work)
+            return o_lat, lse, None, None
+        mask = visible
+        if rows is not None:  # the visible positions marked at their pool rows: (B, T, N)
+            N = latent_all.shape[0]
+            where = rows[:, None, :].expand(B, T, rows.shape[1])
+            mask = torch.zeros(B, T, N, dtype=torch.bool, device=q_abs.device).scatter_(-1, where, visible)
+        o_lat, probs = self.absorbed_attention(q_abs, q_pe, latent_all, mask)
+        return o_lat, None, probs, mask
 
     def naive_attention(self, q_nope, q_pe, latent, mask, need_probs):
         """MHA form: expand the latents (B, S, C + R) into per-head keys and values with kv_b_proj and

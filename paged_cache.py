@@ -15,15 +15,21 @@ What it implements:
 
 How attention reads it (point()): when the pool is at most twice the longest history (one long request, a
 full server), attention reads the pool in place: DSA scores the index keys in the pool and reads only the
-selected latent rows, dense attention scores every pool row under a mask; no history is copied. Otherwise
-(a large pool, short rows) write() gathers each row's history into a (B, S, 576) tensor per layer, which
-is also the reference path (PagedCache(in_place=False)) the tests hold the in-place one to.
+selected latent rows, dense attention scores every pool row under a mask; no history is copied. When
+several long requests share a larger pool, a decode step reads each row alone over its own stretch of
+the pool, in place the same way (a request's pages are reserved at admission and handed out in
+ascending order, so they lie together unless the free pages are scattered or a cached prefix sits
+elsewhere; such a row is gathered). Otherwise (a large pool, short rows) write() gathers each row's
+history into a (B, S, 576) tensor per layer, which is also the reference path (PagedCache(in_place=False))
+the tests hold the in-place one to.
 
 Run it through engine.py (python bench_serve.py; python -m pytest -q tests/test_engine.py).
 
 Honest limits: the page bookkeeping (free list, reference counts, hashes) is Python on the host; in place,
 the pool's scores cost up to twice the rows' own (a paged attention kernel reads each row's pages only;
-on a GPU the Triton index kernel still gets gathered keys);
+on a GPU the Triton index kernel still gets gathered keys); reading rows one by one costs a Python loop
+per layer, so it is taken only from SPAN_MIN_BYTES up and only on a CPU, and a row whose pages are
+scattered is copied;
 a prefix hash covers token ids only, so a cache must be flushed when the weights change (flush()).
 """
 
@@ -41,6 +47,16 @@ def pool_rows(tables, S, P):
     (B, S), the position's page times P plus its slot."""
     s = torch.arange(S, device=tables.device)
     return tables[:, s // P] * P + s % P
+
+
+# A decode step on a CPU reads each row's stretch of the pool alone (PagedCache.span) once some row's
+# history holds this many bytes in a layer (latents and index keys): below it, one batched gather costs
+# less than a Python loop over the rows. Measured on one layer, 8 rows, fp32 (bench_serve.py part 3's
+# machine): at GLM-5's shapes (2.8 KB a token) row by row took 38.5 ms against 40.4 gathered at 1K tokens
+# (2.8 MB a row) and 45.9 against 87.7 at 2K; at the toy's (320 bytes a token) 3.2 against 1.7 ms at 2K
+# (0.6 MB a row).
+# Not on a GPU: there a row's copy takes microseconds and the loop's kernel launches would cost more.
+SPAN_MIN_BYTES = 2 * 2**20
 
 
 class PagedCache:
@@ -67,20 +83,53 @@ class PagedCache:
         self.length = None  # the furthest position of this forward + 1, set on the host with `tables`
         self.in_place = in_place  # False: always gather each row's history (the reference path)
         self.rows = None
+        self.spans = None  # (first, last + 1, rows) per row: a decode step reading each row alone (point)
         self.work = {}  # buffers decode steps reuse for the pool's index products and gathers (dsa.reused)
 
-    def point(self, tables, length):
+    def point(self, tables, length, ends=None):
         """Before a forward: tables (B, n) page ids per row, length = the furthest position + 1 (a host
         int, so no layer reads positions back from the device). When the pool is at most twice the
         longest history (one long request; a full server), attention reads the pool in place through
         `rows` (B, S), each position's pool row: the pool's scores cost at most twice the rows' own, and
-        nothing is copied. Otherwise (a large pool, short rows) write() gathers each row's history."""
-        self.tables = tables
-        self.length = length
+        nothing is copied. Otherwise (a large pool, short rows) write() gathers each row's history.
+
+        ends: each row's history length after this forward (host ints), given for an eager decode step.
+        On a CPU, when the whole pool is too large to read for every row and some row's history reaches
+        SPAN_MIN_BYTES (several long requests in one pool), each row is read alone instead, through
+        `spans`: a row whose pages lie within a stretch of the pool at most twice its own pages reads
+        that stretch in place (its positions' rows relative to the stretch's start); any other row has
+        its history gathered, as now. tables must then be on the host (the engine builds them there)."""
         P = self.page_size
+        device = self.kv.device
+        self.length = length
         self.rows = None
+        self.spans = None
         if self.in_place and self.kv.shape[1] * P <= 2 * length:
+            tables = tables.to(device)
             self.rows = pool_rows(tables, length, P)  # (B, S)
+        elif self.in_place and ends is not None and device.type == "cpu":
+            token_bytes = self.kv.shape[-1] * self.kv.element_size()
+            token_bytes += self.index_k.shape[-1] * self.index_k.element_size()
+            if max(ends) * token_bytes >= SPAN_MIN_BYTES:
+                self.spans = [self.span(tables[b], end) for b, end in enumerate(ends)]
+        self.tables = tables.to(device)
+
+    def span(self, table, end):
+        """One row's page table (n,) on the host and its history length -> (first pool row, last pool row
+        + 1, rows (1, end)): its positions' pool rows relative to that first row, when its used pages lie
+        within twice their number of consecutive pages (read in place); else (None, None, rows) with the
+        absolute pool rows (the row's history is gathered)."""
+        P = self.page_size
+        used = table[: -(-end // P)]  # (pages,) the pages holding positions 0..end-1
+        first, last = int(used.min()), int(used.max())
+        rows = pool_rows(used[None].to(self.kv.device), end, P)  # (1, end)
+        if last - first + 1 > 2 * len(used):
+            return None, None, rows
+        return first * P, (last + 1) * P, rows - first * P
+
+    def history_rows(self):
+        """Each row's positions 0..length-1 as pool rows (B, S): what write() gathers."""
+        return pool_rows(self.tables, self.length, self.page_size)
 
     def write(self, layer_id, positions, latent, index_k):
         """positions (B, T); latent (B, T, C + R); index_k (B, T, index_head_dim) -> every row's
@@ -101,7 +150,7 @@ class PagedCache:
         self.kv.index_put_((layer, pages, slots), latent.to(self.kv.dtype))
         index_k = dsa.to_index_cache(index_k, self.index_k.dtype)  # (B, T, Ki)
         self.index_k.index_put_((layer, pages, slots), index_k)
-        if self.rows is not None:
+        if self.rows is not None or self.spans is not None:
             return kv_pool, index_pool
         S = self.length
         t = self.tables[:, : (S + P - 1) // P]  # (B, n pages)
@@ -133,7 +182,9 @@ class PagedCache:
             p = self.free.pop()
             self.ref[p] = 1
             out.append(p)
-        return out
+        # ascending: a request's pages then lie as one stretch of the pool wherever the free pages do, so a
+        # decode step can read it in place (point's spans); the stack alone hands a freed run back reversed
+        return sorted(out)
 
     def release(self, pages):
         for p in pages:

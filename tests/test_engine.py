@@ -13,6 +13,7 @@ import torch
 import dsa
 import engine
 import model
+import paged_cache
 import sampling
 import weights
 from conftest import randomize, tiny_config
@@ -104,7 +105,7 @@ def test_attention_over_the_page_pool_in_place_equals_the_gathered_history(
     ckpt, one_thread, mode, index_quant
 ):
     """A pool at most twice the history is read in place (each position's pool row, pages handed out
-    out of order) instead of gathered per row: DSA's index keys and selected latents, and dense
+    scattered over the pool) instead of gathered per row: DSA's index keys and selected latents, and dense
     attention's every latent. Greedy outputs and logprobs equal the gathering reference path."""
     sp = dataclasses.replace(GREEDY, max_tokens=14, logprobs=1)
     prompts = [list(range(30, 60)), list(range(100, 118))]  # 11 + 8 pages of 4 for prompt + max_tokens
@@ -113,12 +114,12 @@ def test_attention_over_the_page_pool_in_place_equals_the_gathered_history(
         # 19 pages + the scratch page = 80 slots: gathered while the longest history is under 40 tokens
         eng = make_engine(ckpt, index_quant, num_pages=19, in_place=in_place, prefix_cache=False)
         eng.model.config.dsa_mode = mode
-        eng.cache.free = [5, 17, 2, 11, 0, 8, 14, 3, 9, 15, 1, 6, 12, 18, 4, 10, 16, 7, 13]  # out of order
+        eng.cache.free = [5, 17, 2, 11, 0, 8, 14, 3, 9, 15, 1, 6, 12, 18, 4, 10, 16, 7, 13]  # scattered
         seen = []
         real = eng.cache.point
 
-        def point(tables, length):
-            real(tables, length)
+        def point(tables, length, ends=None):
+            real(tables, length, ends)
             seen.append(eng.cache.rows is not None)
 
         eng.cache.point = point
@@ -127,6 +128,49 @@ def test_attention_over_the_page_pool_in_place_equals_the_gathered_history(
     for a, b in zip(out[True], out[False]):
         assert a.out == b.out
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=1e-9)
+
+
+@pytest.mark.parametrize("mode,index_quant", [("sparse", "none"), ("dense", "none"), ("sparse", "int8")])
+def test_long_rows_read_their_own_stretch_of_a_large_pool(ckpt, one_thread, monkeypatch, mode, index_quant):
+    """In a pool too large to read for every row, a decode step whose rows are long (SPAN_MIN_BYTES,
+    lowered here) reads each row alone: a row whose pages lie together reads its stretch of the pool in
+    place, a row whose pages are scattered has its history gathered. Greedy outputs and logprobs equal
+    the gathering reference path, with both kinds of row seen, and MTP drafting through the same steps."""
+    monkeypatch.setattr(paged_cache, "SPAN_MIN_BYTES", 1)
+    sp = dataclasses.replace(GREEDY, max_tokens=14, logprobs=1)
+    prompts = [list(range(30, 60)), list(range(100, 118))]  # 11 + 8 pages of 4 for prompt + max_tokens
+    out = {}
+    for in_place in (True, False):
+        for spec in (0, 2):
+            eng = make_engine(ckpt, index_quant, in_place=in_place, prefix_cache=False, spec_tokens=spec)
+            eng.model.config.dsa_mode = mode
+            n0, n1 = [eng.pages_needed(len(p), sp) for p in prompts]  # 11 and 8 pages (12 and 9 with MTP)
+            scattered = list(range(0, 3 * n0, 3))  # the first request's pages, two others between each
+            together = list(range(40, 40 + n1))  # the second's
+            others = [p for p in range(64) if p not in scattered + together]
+            eng.cache.free = list(reversed(scattered + together + others))  # a stack: popped from the end
+            seen = []
+            real = eng.cache.point
+
+            def point(tables, length, ends=None):
+                real(tables, length, ends)
+                assert eng.cache.rows is None  # 64 pages: never read whole for these rows
+                if eng.cache.spans is not None:
+                    seen.append([first is not None for first, _, _ in eng.cache.spans])
+
+            eng.cache.point = point
+            out[in_place, spec] = eng.generate(prompts, sp)
+            if in_place:
+                assert [False, True] in seen  # the scattered row gathered, the other read in place
+            else:
+                assert not seen  # the reference: every history gathered
+    for key in out:
+        for a, b in zip(out[key], out[False, 0]):
+            assert a.out == b.out, key
+            if key[1] == 0:
+                torch.testing.assert_close(
+                    torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=1e-9
+                )
 
 
 def inductor_or_skip():
