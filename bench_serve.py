@@ -28,12 +28,15 @@ Serving benchmarks for engine.py, each measured side by side in one run on the s
                 Needs a trained checkpoint (an untrained MTP block drafts noise): train.py's out/ckpt.pt.
 3. DSA          one decode step of one GLM-5 layer with the published attention shapes (64 heads, a 512 +
                 64 latent, the indexer's 32 heads x 128, top-2048; GLM-5 report, section 2; DeepSeek-V3.2
-                report), batch 1, at 16K and 64K cached tokens: DSA (indexer over all keys, attention over
-                2048 selected latents) against dense attention over all of them, with model.KVCache
-                (contiguous), paged_cache.PagedCache read in place (as the engine runs: the index keys scored
-                in the pool, only the selected latent rows read) and PagedCache gathering each history
-                (the reference path), and PagedCache with index_quant "int8" (the index keys in int8 with
-                a scale per key, scored by one int8 GEMM: dsa.py, DeepSeek-V3.2's FP8 indexer). Next to
+                report), at 16K and 64K cached tokens, for one row and for a batch of --rows rows (8), each
+                its own history: DSA (indexer over all keys, attention over 2048 selected latents) against
+                dense attention over all of them, with model.KVCache (contiguous; one row only),
+                paged_cache.PagedCache read in place (as the engine runs: the index keys scored in the
+                pool, only the selected latent rows read; a batch's rows each over their own stretch of
+                the pool) and PagedCache gathering each history (the reference path), and PagedCache with
+                index_quant "int8" (the index keys in int8 with a scale per key, scored by one int8 GEMM:
+                dsa.py, DeepSeek-V3.2's FP8 indexer). A batch reads the layer's weights once for all its
+                rows, so its ratio shows more of what DSA saves per row than one row's does. Next to
                 each time: the least the step must read (the weights, the index keys and the selected
                 latents; dense: every latent) and the bound that sets at the measured copy bandwidth (the
                 median of five 256 MiB copies; their range is printed), the indexer's scores timed
@@ -208,7 +211,7 @@ def step_costs(m, tok, prompt, n, dev, reps=5):
     return step, mtp, verify
 
 
-def bench_dsa(contexts, reps, dev, dtype):
+def bench_dsa(contexts, rows, reps, dev, dtype):
     """One GLM-5 layer (published attention shapes, small FFN and vocab), decode step at each context."""
     full, _ = glm.load_config_file(os.path.join(HERE, "configs/full.py"))
     cfg = glm.ModelConfig(
@@ -236,57 +239,32 @@ def bench_dsa(contexts, reps, dev, dtype):
         f"{bw_low / 1e9:.1f}-{bw_high / 1e9:.1f}); the layer's weights read per step "
         f"{weight_bytes / 1e6:.0f} MB = {weight_bytes / bw * 1e3:.1f} ms, the floor under every row below"
     )
-    rows = []
+    out = []
     for S in contexts:
-        cfg.index_quant = "none"  # the float caches first (each cache takes its index key layout from cfg)
-        paged = {}
-        for in_place in (True, False):
-            pages = -(-(S + 1) // 64)
-            paged[in_place] = paged_cache.PagedCache(cfg, pages, 64, dev, dtype, in_place=in_place)
-            paged[in_place].point(torch.arange(paged[in_place].num_pages, device=dev)[None], S + 1)
-        caches = {  # name: (cache, index_quant)
-            "KVCache": (glm.KVCache(cfg, 1, S + 1, device=dev, dtype=dtype), "none"),
-            "PagedCache": (paged[True], "none"),
-            "paged, gathered": (paged[False], "none"),  # the reference: every row's history copied per step
-        }
-        cfg.index_quant = "int8"  # the pool's index keys in int8 + a scale: allocated from the config
-        int8_pages = paged_cache.PagedCache(cfg, paged[True].num_pages, 64, dev, dtype)
-        int8_pages.point(torch.arange(int8_pages.num_pages, device=dev)[None], S + 1)
-        caches["PagedCache, int8 index"] = (int8_pages, "int8")
-        for name, (cache, index_quant) in caches.items():
-            m.config.index_quant = index_quant
-            # the least a step must read beyond the weights: DSA the index keys and the K selected latents,
-            # dense every latent
-            index_bytes = cache.index_k.shape[-1] * cache.index_k.element_size()
-            need = {"sparse": S * index_bytes + K * (C + R) * size, "dense": S * (C + R) * size}
-            g = torch.Generator(device=dev).manual_seed(S)
-            kv = cache.kv.view(1, -1, cache.kv.shape[-1])  # every cache as one row of tokens
-            ik = cache.index_k.view(1, -1, cache.index_k.shape[-1])
-            kv[:, :S] = torch.randn(1, S, kv.shape[-1], generator=g, device=dev, dtype=dtype)
-            keys = torch.randn(1, S, Di, generator=g, device=dev, dtype=dtype)
-            ik[:, :S] = dsa.to_index_cache(keys, ik.dtype)
-            ids = torch.tensor([[5]], device=dev)
-            # DSA and dense in turn, `reps` rounds, the medians: a slow spell of a shared machine hits both
-            times = {"sparse": [], "dense": []}
-            for r in range(reps + 1):
-                for mode in times:
-                    m.config.dsa_mode = mode
-                    with torch.no_grad():
-                        took = timed(lambda: m(ids, cache=cache, start_pos=S), dev)[1]
-                    if r > 0:  # round 0 warms both up
-                        times[mode].append(took)
-            t = {mode: statistics.median(v) for mode, v in times.items()}
-            bound = {k: (weight_bytes + v) / bw for k, v in need.items()}
-            rows.append((S, name, t["sparse"], t["dense"], bound["sparse"]))
-            ms = {k: v * 1e3 for k, v in t.items()}
-            print(
-                f"{S:>7} tokens, {name:<22}: DSA {ms['sparse']:7.1f} ms (reads >= "
-                f"{need['sparse'] / 1e6:5.1f} MB + weights: bound {bound['sparse'] * 1e3:5.1f} ms, "
-                f"{t['sparse'] / bound['sparse']:.2f}x it), dense {ms['dense']:7.1f} ms (>= "
-                f"{need['dense'] / 1e6:5.1f} MB + weights, {t['dense'] / bound['dense']:.2f}x its bound); "
-                f"dense / DSA = {t['dense'] / t['sparse']:.2f}x",
-                flush=True,
-            )
+        for B in sorted({1, rows}):
+            for name, cache, index_quant in dsa_caches(cfg, S, B, dev, dtype):
+                m.config.index_quant = index_quant
+                fill_cache(cache, S, B, Di, dev, dtype)
+                t = dsa_and_dense(m, cache, S, B, reps, dev)
+                # the least a step must read beyond the weights, per row: DSA the index keys and the K
+                # selected latents, dense every latent
+                index_bytes = cache.index_k.shape[-1] * cache.index_k.element_size()
+                need = {
+                    "sparse": B * (S * index_bytes + K * (C + R) * size),
+                    "dense": B * S * (C + R) * size,
+                }
+                bound = {k: (weight_bytes + v) / bw for k, v in need.items()}
+                out.append((S, B, name, t["sparse"], t["dense"], bound["sparse"]))
+                ms = {k: v * 1e3 for k, v in t.items()}
+                rows_named = f"{B} row " if B == 1 else f"{B} rows"
+                print(
+                    f"{S:>7} tokens x {rows_named}, {name:<22}: DSA {ms['sparse']:7.1f} ms (reads >= "
+                    f"{need['sparse'] / 1e6:5.1f} MB + weights: bound {bound['sparse'] * 1e3:5.1f} ms, "
+                    f"{t['sparse'] / bound['sparse']:.2f}x it), dense {ms['dense']:7.1f} ms (>= "
+                    f"{need['dense'] / 1e6:6.1f} MB + weights, {t['dense'] / bound['dense']:.2f}x its "
+                    f"bound); dense / DSA = {t['dense'] / t['sparse']:.2f}x",
+                    flush=True,
+                )
         # the byte bound leaves out arithmetic: the indexer's scores are one (heads x Di) x (Di x S) product
         # over every index key, which on a CPU thread costs more than reading those keys; timed as the step
         # runs it (linear.linear, the keys as the rows: oneDNN's GEMM on a CPU)
@@ -328,10 +306,63 @@ def bench_dsa(contexts, reps, dev, dtype):
             f"{(weight_bytes / bw + products) * 1e3:.1f} ms, dense's floor on this machine",
             flush=True,
         )
-        del caches, paged, int8_pages
     m.config.dsa_mode = "sparse"
     m.config.index_quant = "none"
-    return rows
+    return out
+
+
+def fill_cache(cache, S, B, Di, dev, dtype):
+    """Random latents and index keys in every row's S cached tokens (and the slots after them): a decode
+    step's cost does not depend on the values, and prefilling 64K tokens densely on a CPU takes too long."""
+    g = torch.Generator(device=dev).manual_seed(S)
+    n = B * (S + 1) if isinstance(cache, glm.KVCache) else cache.num_pages * cache.page_size
+    kv = cache.kv[0].view(-1, cache.kv.shape[-1])[:n]  # every row's tokens, as one run of the layer's cache
+    ik = cache.index_k[0].view(-1, cache.index_k.shape[-1])[:n]
+    kv.copy_(torch.randn(kv.shape, generator=g, device=dev, dtype=dtype))
+    keys = torch.randn(n, Di, generator=g, device=dev, dtype=dtype)
+    ik.copy_(dsa.to_index_cache(keys, ik.dtype))
+
+
+def dsa_and_dense(m, cache, S, B, reps, dev):
+    """One decode step of B rows at position S, DSA and dense in turn for `reps` rounds (a slow spell of a
+    shared machine hits both) -> {"sparse": median s, "dense": median s}."""
+    ids = torch.full((B, 1), 5, device=dev)
+    times = {"sparse": [], "dense": []}
+    for r in range(reps + 1):
+        for mode in times:
+            m.config.dsa_mode = mode
+            with torch.no_grad():
+                took = timed(lambda: m(ids, cache=cache, start_pos=S), dev)[1]
+            if r > 0:  # round 0 warms both up
+                times[mode].append(took)
+    return {mode: statistics.median(v) for mode, v in times.items()}
+
+
+def dsa_caches(cfg, S, B, dev, dtype):
+    """The caches part 3 times, for B rows of S cached tokens each, one at a time (at 8 rows of 192K tokens
+    each takes 4.3 GB) -> (name, cache, index_quant). Paged caches hold each row's S tokens (and the next
+    one) in its own consecutive pages. One row: model.KVCache, PagedCache read in place (the pool is the
+    row's), PagedCache gathering the history (the reference path), PagedCache with int8 index keys.
+    B rows: the paged ones, read row by row in place (PagedCache.point's stretches) or gathered; KVCache is
+    left out (B contiguous histories run the batched einsums, not a decode step's path)."""
+    pages = -(-(S + 1) // 64)  # per row
+    tables = torch.arange(B * pages).view(B, pages)
+    ends = None
+    if B > 1:
+        ends = [S + 1] * B  # what the engine passes for an eager decode step
+
+    def paged(in_place, index_quant):
+        cfg.index_quant = index_quant  # each cache takes its index key layout from the config
+        cache = paged_cache.PagedCache(cfg, B * pages, 64, dev, dtype, in_place=in_place)
+        cache.point(tables, S + 1, ends)
+        return cache
+
+    if B == 1:
+        cfg.index_quant = "none"
+        yield "KVCache", glm.KVCache(cfg, 1, S + 1, device=dev, dtype=dtype), "none"
+    yield "PagedCache", paged(True, "none"), "none"
+    yield "paged, gathered", paged(False, "none"), "none"  # the reference: each history copied per step
+    yield "PagedCache, int8 index", paged(True, "int8"), "int8"  # the index keys in int8 + a scale
 
 
 def bench_memory():
@@ -587,6 +618,9 @@ def main():
     ap.add_argument("--mtp_prompts", type=int, default=8)
     ap.add_argument("--drafts", default="1,2,3,4")
     ap.add_argument("--contexts", default="16384,65536")
+    ap.add_argument(
+        "--rows", type=int, default=8, help="part 3: also a batch of this many rows, each its own history"
+    )
     ap.add_argument("--mixed_requests", type=int, default=48, help="requests in the mixed-length workload")
     ap.add_argument(
         "--mixed_gaps", default="0.05,0.005", help="mean gaps between their arrivals, in s, one run each"
@@ -661,9 +695,10 @@ def main():
     if "dsa" in parts:
         dtype = torch.bfloat16 if dev.startswith("cuda") else torch.float32
         print(
-            f"\n== 3. one GLM-5 layer's decode step, batch 1, {dtype}: DSA (top-2048) vs dense attention =="
+            f"\n== 3. one GLM-5 layer's decode step, 1 and {a.rows} rows, {dtype}: DSA (top-2048) vs dense "
+            "attention =="
         )
-        bench_dsa([int(s) for s in a.contexts.split(",")], a.reps, dev, dtype)
+        bench_dsa([int(s) for s in a.contexts.split(",")], a.rows, a.reps, dev, dtype)
     if "memory" in parts:
         print("\n== 4. cache bytes per token: the engine's paged latent cache against a dense MHA K/V one ==")
         bench_memory()
