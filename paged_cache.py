@@ -29,7 +29,9 @@ Honest limits: the page bookkeeping (free list, reference counts, hashes) is Pyt
 the pool's scores cost up to twice the rows' own (a paged attention kernel reads each row's pages only;
 on a GPU the Triton index kernel still gets gathered keys); reading rows one by one costs a Python loop
 per layer, so it is taken only from SPAN_MIN_BYTES up and only on a CPU, and a row whose pages are
-scattered is copied;
+scattered is copied; read in place, a row's dense attention multiplies the other rows of the pool (or of
+its stretch) by a probability of exactly 0, so a non-finite latent there (none arises from finite
+weights) would reach it, where a gathered row reads only its own;
 a prefix hash covers token ids only, so a cache must be flushed when the weights change (flush()).
 """
 

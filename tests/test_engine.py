@@ -104,9 +104,10 @@ def test_batched_chunked_prefill_with_prefix_hits_equals_alone(ckpt, one_thread,
 def test_attention_over_the_page_pool_in_place_equals_the_gathered_history(
     ckpt, one_thread, mode, index_quant
 ):
-    """A pool at most twice the history is read in place (each position's pool row, pages handed out
-    scattered over the pool) instead of gathered per row: DSA's index keys and selected latents, and dense
-    attention's every latent. Greedy outputs and logprobs equal the gathering reference path."""
+    """A pool at most twice the history is read in place (each position's pool row, pages scattered over
+    the pool and in descending order, as prefix-cache hits can leave a table) instead of gathered per row:
+    DSA's index keys and selected latents, and dense attention's every latent. Greedy outputs and
+    logprobs equal the gathering reference path."""
     sp = dataclasses.replace(GREEDY, max_tokens=14, logprobs=1)
     prompts = [list(range(30, 60)), list(range(100, 118))]  # 11 + 8 pages of 4 for prompt + max_tokens
     out = {}
@@ -115,6 +116,12 @@ def test_attention_over_the_page_pool_in_place_equals_the_gathered_history(
         eng = make_engine(ckpt, index_quant, num_pages=19, in_place=in_place, prefix_cache=False)
         eng.model.config.dsa_mode = mode
         eng.cache.free = [5, 17, 2, 11, 0, 8, 14, 3, 9, 15, 1, 6, 12, 18, 4, 10, 16, 7, 13]  # scattered
+        real_alloc = eng.cache.alloc
+
+        def alloc(n):
+            return real_alloc(n)[::-1]  # alloc hands pages out ascending: reversed, the table is out of order
+
+        eng.cache.alloc = alloc
         seen = []
         real = eng.cache.point
 
