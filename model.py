@@ -20,7 +20,10 @@ config.json), in one file:
 - MTP (GLM-5 report, section 2): enorm/hnorm/eh_proj -> a full decoder layer -> shared_head.norm ->
   the shared lm_head, one block applied num_mtp_steps times.
 - Incremental decoding over a cache holding only [c_kv | k_pe] (512 + 64 values) and the 128-d
-  indexer key per token per layer (with index_quant "int8": 128 int8 values and a 4-byte scale, dsa.py).
+  indexer key per token per layer (with index_quant "int8": 128 int8 values and a 4-byte scale, dsa.py);
+  over paged_cache.py's page pool read in place, for all rows at once or row by row (MLA.attend_each_row).
+MLA.forward runs the projections and the cache; MLA.attend the attention over the keys (both forms,
+dense or DSA via MLA.select and, absorbed, MLA.over_latents) and the indexer KL.
 The checkpoint format (config.json, safetensors, the released names) is weights.py's.
 
 Run it:
