@@ -6,6 +6,7 @@ layer is tested in test_serve.py.
 Run: python -m pytest -q tests/test_engine.py"""
 
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ import weights
 from conftest import randomize, tiny_config
 from tokenizer import CHAT_TOKENS, Tokenizer, train_bpe
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEXT = "def hello(name):\n    return 'hi ' + name  # the quick brown fox jumps over the lazy dog\n" * 30
 
 
@@ -178,6 +180,50 @@ def test_long_rows_read_their_own_stretch_of_a_large_pool(ckpt, one_thread, monk
                 torch.testing.assert_close(
                     torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=1e-9
                 )
+
+
+@pytest.mark.slow
+def test_row_by_row_decode_at_glm5_attention_shapes_equals_the_gathered_history(ckpt):
+    """At GLM-5's attention shapes in fp32 (one layer: 64 heads, the 576-value latent, the indexer's 32 x 128;
+    a top-256 selection), where the CPU's fast paths run (oneDNN's GEMMs for one row's dense attention,
+    its selected latents and its index scores over a pool), four requests of 800-911 tokens (2.3-2.6 MB a row
+    a layer, past SPAN_MIN_BYTES untouched) decode row by row over their stretches of the pool: the same
+    tokens as the gathering reference, which runs the batched einsums, and logprobs within fp32 rounding."""
+    full, _ = model.load_config_file(os.path.join(ROOT, "configs/full.py"))
+    cfg = model.ModelConfig(
+        **{
+            **full.__dict__,
+            "num_hidden_layers": 1,
+            "first_k_dense_replace": 1,
+            "intermediate_size": 64,
+            "vocab_size": 300,
+            "num_nextn_predict_layers": 0,
+            "eos_token_id": [0],
+            "max_position_embeddings": 1024,
+            "index_topk": 256,
+        }
+    )
+    torch.manual_seed(0)
+    m = model.GLM5(cfg).float().eval()
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(1, 300, (800 + 37 * i,), generator=g).tolist() for i in range(4)]
+    sp = dataclasses.replace(GREEDY, max_tokens=4, logprobs=1)
+    out = {}
+    for in_place in (True, False):
+        eng = engine.Engine(m, ckpt[1], num_pages=240, page_size=16, prefix_cache=False, in_place=in_place)
+        seen = []
+        real = eng.cache.point
+
+        def point(tables, length, ends=None):
+            real(tables, length, ends)
+            seen.append(eng.cache.spans is not None)
+
+        eng.cache.point = point
+        out[in_place] = eng.generate(prompts, sp)
+        assert any(seen) == in_place  # the decode steps row by row, in place; the reference never
+    for a, b in zip(out[True], out[False]):
+        assert a.out == b.out
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=1e-4)
 
 
 def inductor_or_skip():
