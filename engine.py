@@ -686,7 +686,8 @@ class Engine:
         nothing is admitted), they are copied in, the prefix cache is flushed and every running request's
         cache is recomputed with them. -> the number of running requests that continue on the new weights.
         Raises VersionConflict for a version not above the current one, ValueError for a directory that
-        is missing, unreadable or of other shapes; the served weights are then untouched. Only
+        is missing, unreadable, of other shapes or holding a non-finite value; the served weights are then
+        untouched. Only
         safetensors directories are taken: a pickled ckpt.pt named by a client could run code."""
         self.check_version(version)
         # here, as in load_model: only quantized serving needs it
@@ -713,6 +714,13 @@ class Engine:
                 f"{directory} does not fit the served model: it holds {extra[0]} (and "
                 f"{len(extra) - 1} more) that the served model lacks; push a checkpoint of the same config"
             )
+        # a diverged run's weights would poison every request, and the cache pages they leave behind
+        for name, t in new.items():
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                raise ValueError(
+                    f"{directory} holds a non-finite value (nan or inf) in {name}; push a checkpoint from "
+                    "before the training run diverged"
+                )
         for name, t in served.items():
             if name not in new or new[name].shape != t.shape:
                 got = tuple(new[name].shape) if name in new else "nothing"

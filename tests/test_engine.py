@@ -700,8 +700,9 @@ def test_in_flight_requests_continue_on_the_new_weights(ckpt, ckpt_v1, one_threa
 
 
 def test_refused_weight_updates_change_nothing(ckpt, ckpt_v1, tmp_path, one_thread):
-    """A version not above the current one, a missing or empty directory and a checkpoint of other shapes
-    are refused with one sentence each; the weights stay bit for bit, and so do the version and cache."""
+    """A version not above the current one, a missing or empty directory, a checkpoint of other shapes and
+    one holding a nan are refused with one sentence each; the weights stay bit for bit, and so do the
+    version and cache."""
     eng = make_engine(ckpt)
     first = eng.generate([PROMPTS[0]], GREEDY)[0].out
     served = {k: v.clone() for k, v in eng.model.state_dict().items()}
@@ -713,6 +714,11 @@ def test_refused_weight_updates_change_nothing(ckpt, ckpt_v1, tmp_path, one_thre
         model.GLM5(tiny_config(vocab_size=300, num_hidden_layers=4)), deeper, dtype=torch.float64
     )
     (tmp_path / "empty").mkdir()
+    diverged = tmp_path / "diverged"  # a run that blew up: one nan among the right shapes
+    broken = model.GLM5(tiny_config(vocab_size=300)).double()
+    with torch.no_grad():
+        broken.model.layers[1].self_attn.kv_b_proj.weight[3, 5] = float("nan")
+    weights.save_pretrained(broken, diverged, dtype=torch.float64)
     refusals = [
         (ckpt_v1[0], 0, engine.VersionConflict, "not above"),
         (ckpt_v1[0], -3, engine.VersionConflict, "not above"),
@@ -721,6 +727,7 @@ def test_refused_weight_updates_change_nothing(ckpt, ckpt_v1, tmp_path, one_thre
         (str(tmp_path / "empty"), 1, ValueError, "cannot load"),
         (str(other), 1, ValueError, "does not fit"),
         (str(deeper), 1, ValueError, "lacks"),
+        (str(diverged), 1, ValueError, "non-finite value .* in model.layers.1.self_attn.kv_b_proj.weight"),
     ]
     for path, version, error, says in refusals:
         with pytest.raises(error, match=says):
