@@ -100,7 +100,7 @@ class PagedCache:
         SPAN_MIN_BYTES (several long requests in one pool), each row is read alone instead, through
         `spans`: a row whose pages lie within a stretch of the pool at most twice its own pages reads
         that stretch in place (its positions' rows relative to the stretch's start); any other row has
-        its history gathered, as now. tables must then be on the host (the engine builds them there)."""
+        its own history gathered. tables must then be on the host (the engine builds them there)."""
         P = self.page_size
         device = self.kv.device
         self.length = length
