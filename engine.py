@@ -463,8 +463,8 @@ class Engine:
         positions (B, T). A row's positions past its own pages (right padding)
         land on the scratch page; so do `pad` extra rows at position 0 (a compiled step's batch bucket).
         width: the page tables' least width (a compiled step's is fixed, so no page count recompiles).
-        An eager decode step also gives the cache each row's length, so long rows can each read their own
-        stretch of the pool in place (PagedCache.point)."""
+        An eager decode step (or an MTP draft or verify step) also gives the cache each row's length, so
+        long rows can each read their own stretch of the pool in place (PagedCache.point)."""
         P = self.cache.page_size
         scratch = self.cache.scratch
         n = max(max(len(r.pages) for r in rows), -(-(max(starts) + T) // P))  # pages the rows use
@@ -473,8 +473,8 @@ class Engine:
         tables = torch.full((len(rows) + pad, max(n, width)), scratch, dtype=torch.long)  # (B, n)
         tables[: len(rows), :n] = torch.tensor([r.pages + [scratch] * (n - len(r.pages)) for r in rows])
         ends = None
-        if T == 1 and pad == 0 and width == 0:  # an eager decode step: long rows may each read their stretch
-            ends = [s + 1 for s in starts]
+        if T <= 1 + self.spec and pad == 0 and width == 0:  # eager decode, MTP draft or verify: long rows
+            ends = [s + T for s in starts]  # may each read their own stretch of the pool
         self.cache.point(tables, max(starts) + T, ends)  # the host tables; point moves them to the device
         start = torch.tensor(starts + [0] * pad, device=self.device)
         return start.view(-1, 1) + torch.arange(T, device=self.device)  # (B, T)

@@ -317,7 +317,7 @@ class MLA(nn.Module):
                 f"the cache holds {index_k_all.dtype} index keys but config.index_quant is "
                 f"{c.index_quant!r}; set index_quant before building the cache (or the Engine)"
             )
-        needs_history = want_kl or (form or "absorb") == "naive" or (spans is not None and T > 1)
+        needs_history = want_kl or (form or "absorb") == "naive"
         if needs_history and spans is not None:
             rows = cache.history_rows()  # (B, S) each position's pool row
             spans = None
@@ -385,13 +385,13 @@ class MLA(nn.Module):
         return o, dsa.indexer_kl(target, scores, keys)
 
     def attend_each_row(self, q_nope, q_pe, iq, iw, latent_all, index_k_all, spans, positions, work):
-        """A decode step over several long rows of a page pool (PagedCache.point's spans): each row attends
-        alone, over its own stretch of the pool read in place (first..stop) or, where its pages are
-        scattered, over its gathered history. W_UK and W_UV are applied to every row at once, so each
-        weight is still read once a step. q_nope (B, 1, H, nope), positions (B, 1) -> o (B, 1, H, v)."""
+        """A decode (or MTP verify) step over several long rows of a page pool (PagedCache.point's spans):
+        each row attends alone, over its own stretch of the pool read in place (first..stop) or, where its
+        pages are scattered, over its gathered history. W_UK and W_UV are applied to every row at once, so
+        each weight is still read once a step. q_nope (B, T, H, nope), positions (B, T) -> o (B, T, H, v)."""
         c = self.cfg
         w_uk, w_uv = self.w_uk_uv()
-        q_abs = torch.einsum("bthd,hdc->bthc", q_nope, w_uk)  # (B, 1, H, C)
+        q_abs = torch.einsum("bthd,hdc->bthc", q_nope, w_uk)  # (B, T, H, C)
         o_lat = []
         for b, (first, stop, rows_b) in enumerate(spans):
             one = slice(b, b + 1)
@@ -401,13 +401,13 @@ class MLA(nn.Module):
             else:
                 lat_b, key_b = latent_all[first:stop], index_k_all[first:stop]  # views of the pool
                 S_b = rows_b.shape[1]
-            visible = torch.arange(S_b, device=q_abs.device) <= positions[one, :, None]  # (1, 1, S_b)
+            visible = torch.arange(S_b, device=q_abs.device) <= positions[one, :, None]  # (1, T, S_b)
             idx = valid = None
             if c.dsa_mode == "sparse" and S_b > c.index_topk:
                 idx, valid = self.select(iq[one], iw[one], key_b, rows_b, positions[one], work)
             o_b = self.over_latents(q_abs[one], q_pe[one], lat_b, rows_b, idx, valid, visible, work)[0]
-            o_lat.append(o_b)  # (1, 1, H, C)
-        return torch.einsum("bthc,hvc->bthv", torch.cat(o_lat), w_uv)  # (B, 1, H, v)
+            o_lat.append(o_b)  # (1, T, H, C)
+        return torch.einsum("bthc,hvc->bthv", torch.cat(o_lat), w_uv)  # (B, T, H, v)
 
     def select(self, iq, iw, index_k_all, rows, last, work=None):
         """DSA's selection: each query's index_topk best keys among positions 0..last (B or 1, T), scored

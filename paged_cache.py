@@ -95,7 +95,8 @@ class PagedCache:
         `rows` (B, S), each position's pool row: the pool's scores cost at most twice the rows' own, and
         nothing is copied. Otherwise (a large pool, short rows) write() gathers each row's history.
 
-        ends: each row's history length after this forward (host ints), given for an eager decode step.
+        ends: each row's history length after this forward (host ints), given for an eager decode step
+        (or an MTP draft or verify step, a few tokens a row).
         On a CPU, when the whole pool is too large to read for every row and some row's history reaches
         SPAN_MIN_BYTES (several long requests in one pool), each row is read alone instead, through
         `spans`: a row whose pages lie within a stretch of the pool at most twice its own pages reads
