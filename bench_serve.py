@@ -211,21 +211,25 @@ def step_costs(m, tok, prompt, n, dev, reps=5):
     return step, mtp, verify
 
 
+def glm5_layer_config(max_positions, **overrides):
+    """One GLM-5 layer: the released attention shapes (configs/full.py), a small dense FFN and vocabulary,
+    no MTP block; overrides replace any field."""
+    full, _ = glm.load_config_file(os.path.join(HERE, "configs/full.py"))
+    one_layer = {
+        "num_hidden_layers": 1,
+        "first_k_dense_replace": 1,
+        "intermediate_size": 256,
+        "vocab_size": 1024,
+        "num_nextn_predict_layers": 0,
+        "eos_token_id": [0],
+        "max_position_embeddings": max_positions,
+    }
+    return glm.ModelConfig(**{**full.__dict__, **one_layer, **overrides})
+
+
 def bench_dsa(contexts, rows, reps, dev, dtype):
     """One GLM-5 layer (published attention shapes, small FFN and vocab), decode step at each context."""
-    full, _ = glm.load_config_file(os.path.join(HERE, "configs/full.py"))
-    cfg = glm.ModelConfig(
-        **{
-            **full.__dict__,
-            "num_hidden_layers": 1,
-            "first_k_dense_replace": 1,
-            "intermediate_size": 256,
-            "vocab_size": 1024,
-            "num_nextn_predict_layers": 0,
-            "eos_token_id": [0],
-            "max_position_embeddings": max(contexts) + 16,
-        }
-    )
+    cfg = glm5_layer_config(max(contexts) + 16)
     torch.manual_seed(0)
     with torch.device(dev):
         m = glm.GLM5(cfg).to(dtype).eval()

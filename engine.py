@@ -687,8 +687,8 @@ class Engine:
         cache is recomputed with them. -> the number of running requests that continue on the new weights.
         Raises VersionConflict for a version not above the current one, ValueError for a directory that
         is missing, unreadable, of other shapes or holding a non-finite value; the served weights are then
-        untouched. Only
-        safetensors directories are taken: a pickled ckpt.pt named by a client could run code."""
+        untouched. Only safetensors directories are taken: a pickled ckpt.pt named by a client could run
+        code."""
         self.check_version(version)
         # here, as in load_model: only quantized serving needs it
         from quantized import QuantExperts, QuantLinear

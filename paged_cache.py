@@ -103,19 +103,17 @@ class PagedCache:
         that stretch in place (its positions' rows relative to the stretch's start); any other row has
         its own history gathered. tables must then be on the host (the engine builds them there)."""
         P = self.page_size
-        device = self.kv.device
+        self.tables = tables.to(self.kv.device)
         self.length = length
         self.rows = None
         self.spans = None
         if self.in_place and self.kv.shape[1] * P <= 2 * length:
-            tables = tables.to(device)
-            self.rows = pool_rows(tables, length, P)  # (B, S)
-        elif self.in_place and ends is not None and device.type == "cpu":
+            self.rows = pool_rows(self.tables, length, P)  # (B, S)
+        elif self.in_place and ends is not None and self.kv.device.type == "cpu":
             token_bytes = self.kv.shape[-1] * self.kv.element_size()
             token_bytes += self.index_k.shape[-1] * self.index_k.element_size()
             if max(ends) * token_bytes >= SPAN_MIN_BYTES:
-                self.spans = [self.span(tables[b], end) for b, end in enumerate(ends)]
-        self.tables = tables.to(device)
+                self.spans = [self.span(tables[b], end) for b, end in enumerate(ends)]  # the host tables
 
     def span(self, table, end):
         """One row's page table (n,) on the host and its history length -> (first pool row, last pool row

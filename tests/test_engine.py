@@ -6,7 +6,6 @@ layer is tested in test_serve.py.
 Run: python -m pytest -q tests/test_engine.py"""
 
 import dataclasses
-import os
 
 import pytest
 import torch
@@ -20,7 +19,6 @@ import weights
 from conftest import randomize, tiny_config
 from tokenizer import CHAT_TOKENS, Tokenizer, train_bpe
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEXT = "def hello(name):\n    return 'hi ' + name  # the quick brown fox jumps over the lazy dog\n" * 30
 
 
@@ -47,6 +45,20 @@ def make_engine(ckpt, index_quant="none", **kw):
     m = engine.load_model(ckpt[0])
     m.config.index_quant = index_quant  # before the Engine: its PagedCache takes the index key layout from it
     return engine.Engine(m, ckpt[1], **{"num_pages": 64, "page_size": 4, **kw})
+
+
+def record_points(eng):
+    """Wrap eng.cache.point -> a list that gets the cache's (rows, spans) after each point(): how each
+    forward was told to read the pool (whole in place, row by row, or neither: gathered)."""
+    steps = []
+    real = eng.cache.point
+
+    def point(tables, length, ends=None):
+        real(tables, length, ends)
+        steps.append((eng.cache.rows, eng.cache.spans))
+
+    eng.cache.point = point
+    return steps
 
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [5, 6, 7], list(range(40, 58)), [200, 3, 3, 3, 9, 100, 42]]
@@ -124,15 +136,9 @@ def test_attention_over_the_page_pool_in_place_equals_the_gathered_history(
             return real_alloc(n)[::-1]  # alloc hands pages out ascending: reversed, the table is out of order
 
         eng.cache.alloc = alloc
-        seen = []
-        real = eng.cache.point
-
-        def point(tables, length, ends=None):
-            real(tables, length, ends)
-            seen.append(eng.cache.rows is not None)
-
-        eng.cache.point = point
+        steps = record_points(eng)
         out[in_place] = eng.generate(prompts, sp)
+        seen = [rows is not None for rows, _ in steps]
         assert seen[-1] == in_place and not seen[0]  # the last steps in place, the prefill gathered
     for a, b in zip(out[True], out[False]):
         assert a.out == b.out
@@ -158,17 +164,10 @@ def test_long_rows_read_their_own_stretch_of_a_large_pool(ckpt, one_thread, monk
             together = list(range(40, 40 + n1))  # the second's
             others = [p for p in range(64) if p not in scattered + together]
             eng.cache.free = list(reversed(scattered + together + others))  # a stack: popped from the end
-            seen = []
-            real = eng.cache.point
-
-            def point(tables, length, ends=None):
-                real(tables, length, ends)
-                assert eng.cache.rows is None  # 64 pages: never read whole for these rows
-                if eng.cache.spans is not None:
-                    seen.append([first is not None for first, _, _ in eng.cache.spans])
-
-            eng.cache.point = point
+            steps = record_points(eng)
             out[in_place, spec] = eng.generate(prompts, sp)
+            assert all(rows is None for rows, _ in steps)  # 64 pages: never read whole for these rows
+            seen = [[first is not None for first, _, _ in spans] for _, spans in steps if spans is not None]
             if in_place:
                 assert [False, True] in seen  # the scattered row gathered, the other read in place
             else:
@@ -189,20 +188,9 @@ def test_row_by_row_decode_at_glm5_attention_shapes_equals_the_gathered_history(
     its selected latents and its index scores over a pool), four requests of 800-911 tokens (2.3-2.6 MB a row
     a layer, past SPAN_MIN_BYTES untouched) decode row by row over their stretches of the pool: the same
     tokens as the gathering reference, which runs the batched einsums, and logprobs within fp32 rounding."""
-    full, _ = model.load_config_file(os.path.join(ROOT, "configs/full.py"))
-    cfg = model.ModelConfig(
-        **{
-            **full.__dict__,
-            "num_hidden_layers": 1,
-            "first_k_dense_replace": 1,
-            "intermediate_size": 64,
-            "vocab_size": 300,
-            "num_nextn_predict_layers": 0,
-            "eos_token_id": [0],
-            "max_position_embeddings": 1024,
-            "index_topk": 256,
-        }
-    )
+    import bench_serve
+
+    cfg = bench_serve.glm5_layer_config(1024, intermediate_size=64, vocab_size=300, index_topk=256)
     torch.manual_seed(0)
     m = model.GLM5(cfg).float().eval()
     g = torch.Generator().manual_seed(1)
@@ -211,16 +199,10 @@ def test_row_by_row_decode_at_glm5_attention_shapes_equals_the_gathered_history(
     out = {}
     for in_place in (True, False):
         eng = engine.Engine(m, ckpt[1], num_pages=240, page_size=16, prefix_cache=False, in_place=in_place)
-        seen = []
-        real = eng.cache.point
-
-        def point(tables, length, ends=None):
-            real(tables, length, ends)
-            seen.append(eng.cache.spans is not None)
-
-        eng.cache.point = point
+        steps = record_points(eng)
         out[in_place] = eng.generate(prompts, sp)
-        assert any(seen) == in_place  # the decode steps row by row, in place; the reference never
+        # the decode steps row by row, in place; the reference never
+        assert any(spans is not None for _, spans in steps) == in_place
     for a, b in zip(out[True], out[False]):
         assert a.out == b.out
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=1e-4)
