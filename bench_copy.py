@@ -15,7 +15,7 @@ loss on the repeats, where chance is ln(ids):
 - fixed: the toy GLM-5 (configs/toy.py, dense attention, train.py's Muon + AdamW) on `span` random ids
   followed by the same ids, then tested on copies at other distances. A model that learnt "attend `span`
   positions back" solves the training copy and fails the others (its loss goes past chance).
-- rows: the toy GLM-5 on train.py's copy rows (copy_rows: a span of 8 to `span` ids, repeated to
+- rows: the toy GLM-5 on train.py's copy rows (copy_probe.copy_rows: a span of 8 to `span` ids, repeated to
   2 * `span` tokens). The period varies, so only the content tells where to copy from.
 - reference: an attention-only transformer (2 layers by default, learned positions, d 128, 4 heads, AdamW
   1e-3) on the same rows, the textbook setting in which induction heads form (--reference_positions=rope:
@@ -44,6 +44,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import copy_probe
+import mla
 import model as glm
 import muon
 import train
@@ -78,11 +80,11 @@ def toy_glm5(kv_lora_rank=0, dense_layers=0, optimizer="muon", init_std=0.0, lr_
 
 
 def rope(x, theta=1e4):
-    """GLM-5's own RoPE (model.rope_cos_sin and apply_rope: adjacent pairs rotated by position) over the
+    """GLM-5's own RoPE (mla.rope_cos_sin and apply_rope: adjacent pairs rotated by position) over the
     whole last dim of x (B, H, T, hd)."""
     T, hd = x.shape[2], x.shape[3]
-    cos, sin = glm.rope_cos_sin(torch.arange(T, device=x.device)[None], hd, theta)  # (1, T, hd / 2)
-    return glm.apply_rope(x.transpose(1, 2), cos, sin).transpose(1, 2)  # rotated as (B, T, H, hd)
+    cos, sin = mla.rope_cos_sin(torch.arange(T, device=x.device)[None], hd, theta)  # (1, T, hd / 2)
+    return mla.apply_rope(x.transpose(1, 2), cos, sin).transpose(1, 2)  # rotated as (B, T, H, hd)
 
 
 class CausalAttention(nn.Module):
@@ -215,7 +217,7 @@ def main():
         print("  (copying by content scores low at every distance; a positional lookup at one only)")
 
     def rows(g):
-        return train.copy_rows(32, 2 * a.span, a.ids, g)
+        return copy_probe.copy_rows(32, 2 * a.span, a.ids, g)
 
     if "rows" in runs:
         print(f"== rows: the toy GLM-5 on copy rows (periods 8..{a.span}), {a.steps} steps")

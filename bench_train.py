@@ -346,15 +346,16 @@ def time_stages(path, args):
 
 
 def probe_checkpoints(paths, args):
-    """train.copy_probe on each train.py checkpoint in `paths`, with ids drawn from the whole vocabulary
+    """copy_probe.copy_probe on each train.py checkpoint in `paths`, with ids drawn from the whole vocabulary
     (but the special tokens) and from the --probe_top most frequent ids of the pretraining corpus (names,
     digits and keywords: what an RL task asks a policy to copy). Prints first/second-copy losses and
     the top-1 accuracy on the second copy per checkpoint."""
     import numpy as np
 
     import data
+    from copy_probe import copy_probe
     from tokenizer import get_tokenizer
-    from train import copy_probe, load_checkpoint
+    from train import load_checkpoint
 
     here = os.path.dirname(os.path.abspath(__file__))
     tok = get_tokenizer(4096, cache_dir=os.path.join(here, "data"))

@@ -7,7 +7,7 @@ latents, and the two indexer KL losses (dense warm-up and sparse stage).
     selected(t) = top-k_s I[t, s]  over visible s,  k = min(index_topk, visible)
     attention(t) = MLA restricted to selected(t)
 
-model.py calls into this file from its attention layer; nothing here knows about the rest of the model.
+mla.py (the attention layer) calls into this file; nothing here knows about the rest of the model.
 The absorbed form runs the real sparse computation (sparse_mla reads only the selected latents); the
 naive form is its reference, dense attention with everything but the selection masked (selection_mask).
 
@@ -214,7 +214,7 @@ WORK_MAX_BYTES = 64 * 2**20  # a reused buffer's most: bigger ones (wide batches
 def reused(work, name, shape, dtype, device):
     """An uninitialised `shape` tensor: the buffer `work[name]` (grown when too small, kept) where `work` is a
     dict and the tensor at most WORK_MAX_BYTES, a fresh tensor otherwise. A paged cache holds one such dict
-    (PagedCache.work) for its decode steps (model.MLA passes it when T == 1), which write their (Hi, N) int8
+    (PagedCache.work) for its decode steps (mla.MLA passes it when T == 1), which write their (Hi, N) int8
     index products, 8 MB per row at 64K tokens, and their 2,048 gathered latents, 4.7 MB, into the same
     memory every layer and step. A fresh tensor that size costs more than the product filling it: glibc maps
     large blocks from the OS and hands them back on free, so each step page-faults them in again (the int8

@@ -80,6 +80,7 @@ import uuid
 import torch
 
 import chat
+import mla
 import model as glm
 import sampling
 import weights
@@ -493,7 +494,7 @@ class Engine:
         """positions (B, T) -> RoPE's cos, sin (B, T, R / 2), in the model's compute dtype."""
         c = self.cfg
         dtype = upcast(self.model.lm_head.weight).dtype
-        return glm.rope_cos_sin(positions, c.qk_rope_head_dim, c.rope_theta, dtype)
+        return mla.rope_cos_sin(positions, c.qk_rope_head_dim, c.rope_theta, dtype)
 
     def layers(self, ids, positions):
         """The main stack over the pages the cache points at: ids (B, T) -> h (B, T, D). What compile=True

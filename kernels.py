@@ -24,7 +24,7 @@ One switch, one rule (use_triton below), set by the environment variable NANOGLM
             (TRITON_INTERPRET=1, which this file sets before defining the kernels): slow, for tests
 The DSA kernels (index_scores, sparse_mla, sparse_mla_target) are launchers only: dsa.py asks use_triton
 and calls them or its own torch path (dsa.causal_index_scores, dsa.sparse_mla_torch,
-dsa.sparse_mla_target_torch), so model.py's sparse path trains through them on a GPU and this file needs
+dsa.sparse_mla_target_torch), so mla.py's sparse path trains through them on a GPU and this file needs
 nothing from dsa.py.
 
 Run:

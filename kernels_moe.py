@@ -8,9 +8,9 @@ w4a8_experts):
 
 The switch (NANOGLM_KERNELS, kernels.use_triton) and Triton itself (or the stand-ins that let these
 definitions parse without it) come from kernels.py, which sets Triton's interpreter flag before any kernel
-is defined. The grouped SwiGLU pair is experts.run_experts' path on a GPU when no gradient is needed (serving);
-training takes torch's grouped GEMM, which has a backward. Each launcher dispatches itself, to the `*_ref`
-beside it off the GPU.
+is defined. The grouped SwiGLU pair is experts.run_experts' path on a GPU when no gradient is needed
+(serving); training takes torch's grouped GEMM, which has a backward. Each launcher dispatches itself, to
+the `*_ref` beside it off the GPU.
 
 Run:
     python -m pytest -q tests/test_kernels.py  # every kernel vs its reference: interpreter on CPU, GPU if any

@@ -1,12 +1,12 @@
 """
 The inference linear layer on a CPU: x @ W.T through oneDNN's GEMM instead of torch's default one.
 
-model.py's projections (attention, the dense and shared-expert MLPs, the MTP block's, the head) and the
-indexer's wq_b and wk in dsa.py are this file's Linear; the router, the routed experts (experts.py) and the
-indexer's fp32 head weights are not. On a GPU, in training, under autocast and under torch.compile it is
-exactly F.linear. On a CPU, with no gradient to take and fp32 data, it calls
-oneDNN (torch.ops.mkldnn._linear_pointwise, the op inductor's CPU backend uses for linears once it has
-frozen a model's weights), because torch's own fp32 matmul there calls MKL's sgemm, which on the machine
+The model's projections (mla.py's attention; model.py's dense and shared-expert MLPs, the MTP block's, the
+head) and the indexer's wq_b and wk in dsa.py are this file's Linear; the router, the routed experts
+(experts.py) and the indexer's fp32 head weights are not. On a GPU, in training, under autocast and under
+torch.compile it is exactly F.linear. On a CPU, with no gradient to take and fp32 data, it calls oneDNN
+(torch.ops.mkldnn._linear_pointwise, the op inductor's CPU backend uses for linears once it has frozen a
+model's weights), because torch's own fp32 matmul there calls MKL's sgemm, which on the machine
 this was measured on (an AMD EPYC, 2 cores, AVX-512) was much slower:
 
     one GLM-5 layer's projections, batch 1, fp32   MKL (F.linear)     oneDNN

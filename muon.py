@@ -46,7 +46,7 @@ import torch
 import torch.nn as nn
 
 from experts import Experts, Router
-from model import MLA, RMSNorm
+from mla import MLA, RMSNorm
 
 try:
     from torch.distributed.tensor import DTensor, distribute_tensor

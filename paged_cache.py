@@ -135,7 +135,7 @@ class PagedCache:
     def write(self, layer_id, positions, latent, index_k):
         """positions (B, T); latent (B, T, C + R); index_k (B, T, index_head_dim) -> every row's
         history (B, S, C + R) and (B, S, Ki) (the model.KVCache.write API), or with self.rows set the
-        layer's pools (N, C + R) and (N, Ki), N = pages x page_size, read in place (model.MLA.forward).
+        layer's pools (N, C + R) and (N, Ki), N = pages x page_size, read in place (mla.MLA.forward).
         Ki is the cache's index key width: index_head_dim, or index_head_dim + 4 packed int8 bytes."""
         P = self.page_size
         C, Ki = self.kv.shape[-1], self.index_k.shape[-1]

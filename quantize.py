@@ -466,7 +466,9 @@ def quantize_checkpoint(
     if group_size is not None and group_size < 0:
         raise ValueError(f"--group_size {group_size} is negative; give 0 (per channel) or a group size")
     if group_size and scheme == "w8a8":
-        raise ValueError("--group_size applies to INT4 experts only; drop it with --scheme w8a8 (per channel)")
+        raise ValueError(
+            "--group_size applies to INT4 experts only; drop it with --scheme w8a8 (per channel)"
+        )
     source_dir = src if os.path.isdir(src) else os.path.dirname(os.path.abspath(src))
     if os.path.realpath(out) == os.path.realpath(source_dir):
         raise ValueError(f"--out {out} is where the source checkpoint is; write the quantized one elsewhere")
@@ -645,7 +647,9 @@ def main(argv=None):
     except (OSError, ValueError) as e:  # missing, unreadable or unwritable files; bad settings
         sys.exit(f"quantize.py: {e}")
     except (RuntimeError, pickle.UnpicklingError) as e:  # torch.load of a file that is no checkpoint
-        sys.exit(f"quantize.py: {a.ckpt} could not be read as a checkpoint ({e}); give a ckpt.pt or a directory")
+        sys.exit(
+            f"quantize.py: {a.ckpt} could not be read as a checkpoint ({e}); give a ckpt.pt or a directory"
+        )
     print(
         f"wrote {a.out} in {time.time() - t0:.1f}s: {s['total_bytes'] / 2**20:.1f} MiB "
         f"({s['quantized_bytes'] / 2**20:.1f} quantized, {s['kept_bytes'] / 2**20:.1f} kept), "

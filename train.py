@@ -20,10 +20,11 @@ The pipeline is pretrain -> dsa_warmup -> dsa_sparse -> sft, each stage --init_f
 weights only). A later stage without --init_from, or an out_dir holding another stage's checkpoint, stops
 with one sentence (--from_scratch=True and --overwrite=True allow them).
 
-Every evaluation logs the val loss and the copy probe (copy_probe): the loss on the second copy of a random
-sequence shown twice against the first, on all ids and on the corpus' 512 most frequent; a model with
-induction heads copies, the toy model after its CPU budget does not (configs/speedrun_stages.py).
-copy_frac > 0 puts synthetic copy rows (copy_rows) in the training batches of the non-SFT stages.
+Every evaluation logs the val loss and the copy probe (copy_probe.py): the loss on the second copy of a
+random sequence shown twice against the first, on all ids and on the corpus' 512 most frequent; a model
+with induction heads copies, the toy model after its CPU budget does not (configs/speedrun_stages.py).
+copy_frac > 0 puts synthetic copy rows (copy_probe.copy_rows) in the training batches of the non-SFT
+stages.
 
 Before allocating anything it prints the parameter and memory plan for the world size (parallel.py) and
 says in one sentence if a rank cannot hold it (a real run stops there, --dry_run=True exits 0). Under
@@ -78,9 +79,9 @@ from contextlib import nullcontext
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 import chat
+import copy_probe
 import data
 import model
 import muon
@@ -355,47 +356,6 @@ def mtp_weight_at(step):
 
 
 # -----------------------------------------------------------------------------
-# The copy probe: can the model copy from its context (induction heads)?
-
-
-@torch.no_grad()
-def copy_probe(m, n_ids, length=64, rows=16, seed=0):
-    """Induction, measured (Olsson et al. 2022, "In-context learning and induction heads"): `rows` random
-    sequences of `length` ids drawn uniformly from [0, n_ids) (or from the ids in n_ids, a 1-D tensor: say
-    the corpus' most frequent), each shown twice in a row. Nothing predicts the first copy (its loss is
-    about ln n_ids for a model that learnt the corpus' unigrams away); a model that copies from its context
-    predicts the second copy, token after token. The first token of the second copy follows r[-1], which
-    never preceded r[0], so it is left out of both.
-    m: a model mapping ids (B, T) to logits (B, T, V) (train.py's GLM5 without targets).
-    -> {"first": mean loss on the first copy, "second": on the second, "acc_second": top-1 accuracy on
-    the second copy}. A copying model has second << first and acc_second near 1; a model that cannot copy
-    has second about first."""
-    pool = n_ids if torch.is_tensor(n_ids) else None
-    n = len(pool) if pool is not None else n_ids
-    if n < 2 or length < 2:
-        raise ValueError(f"copy_probe needs at least 2 ids and length >= 2, got {n} ids, length={length}")
-    p = next(m.parameters())
-    g = torch.Generator().manual_seed(seed)
-    r = torch.randint(0, n, (rows, length), generator=g)
-    if pool is not None:
-        r = pool[r]
-    x = torch.cat([r, r], dim=1).to(p.device)  # (rows, 2 * length)
-    was_training = m.training
-    m.eval()
-    logits = m(x[:, :-1]).float()  # (rows, 2 * length - 1, V): position t predicts x[:, t + 1]
-    m.train(was_training)
-    nll = F.cross_entropy(logits.transpose(1, 2), x[:, 1:], reduction="none")  # (rows, 2 * length - 1)
-    first = nll[:, : length - 1]  # targets x[1 .. length - 1]
-    second = nll[:, length:]  # targets x[length + 1 .. 2 * length - 1]
-    hits = logits[:, length:].argmax(-1) == x[:, length + 1 :]
-    return {
-        "first": first.mean().item(),
-        "second": second.mean().item(),
-        "acc_second": hits.float().mean().item(),
-    }
-
-
-# -----------------------------------------------------------------------------
 # Checkpoints: one dict, written atomically
 
 
@@ -561,10 +521,10 @@ def run(train_cfg, cfg, dev, ptdtype, counts, ep, world, rank):
 
     probe_pool = None  # the copy probe also runs on the corpus' 512 most frequent ids (not in SFT)
     if copy_probe_len > 0 and stage != "sft":
-        probe_pool = frequent_ids(loader, tok.eot_id, 512)
+        probe_pool = copy_probe.frequent_ids(loader, tok.eot_id, 512)
     copy_ids = tok.eot_id  # copy rows draw from every id but the special tokens ...
     if copy_source == "frequent" and stage != "sft":  # ... or from the corpus' most frequent ones
-        copy_ids = frequent_ids(loader, tok.eot_id, copy_top)
+        copy_ids = copy_probe.frequent_ids(loader, tok.eot_id, copy_top)
 
     def get_batch(split, g):
         return rank_rows(loader, split, g, world, rank, dev, copy_ids)
@@ -632,7 +592,7 @@ def run(train_cfg, cfg, dev, ptdtype, counts, ep, world, rank):
             line = f"step {step} | val lm {val:.4f}"
             if copy_probe_len > 0:
                 with autocast:
-                    probe = copy_probe(m, tok.eot_id, copy_probe_len)
+                    probe = copy_probe.copy_probe(m, tok.eot_id, copy_probe_len)
                 record["copy"] = probe
                 line += (
                     f" | copy probe: loss {probe['first']:.2f} on the first copy, {probe['second']:.2f} on "
@@ -640,7 +600,7 @@ def run(train_cfg, cfg, dev, ptdtype, counts, ep, world, rank):
                 )
                 if probe_pool is not None:
                     with autocast:
-                        frequent = copy_probe(m, probe_pool, copy_probe_len)
+                        frequent = copy_probe.copy_probe(m, probe_pool, copy_probe_len)
                     record["copy_frequent"] = frequent
                     line += (
                         f" (top-512 ids: {frequent['first']:.2f}, {frequent['second']:.2f}, "
@@ -695,7 +655,8 @@ def prepare_data(cfg, master, distributed):
 def rank_rows(loader, split, g, world, rank, dev, n_ids):
     """This rank's rows of a batch. Every rank draws the same global batch of world x batch_size windows
     and keeps its rows, so N ranks at batch_size b see exactly what one process sees at batch_size N * b.
-    In training batches outside SFT, the last copy_frac of the global rows are copy rows (copy_rows).
+    In training batches outside SFT, the last copy_frac of the global rows are copy rows
+    (copy_probe.copy_rows).
     -> x, y, each (batch_size, block_size) on dev."""
     x, y = loader.get_batch(split, world * batch_size, block_size, generator=g)
     n_copy = round(copy_frac * world * batch_size)
@@ -703,45 +664,11 @@ def rank_rows(loader, split, g, world, rank, dev, n_ids):
         text = None
         if copy_source == "text":
             text = torch.cat([x[-n_copy:], y[-n_copy:, -1:]], dim=1)  # the windows the copy rows replace
-        cx, cy = copy_rows(n_copy, block_size, n_ids, g, text)
+        cx, cy = copy_probe.copy_rows(n_copy, block_size, n_ids, g, text)
         x = torch.cat([x[: len(x) - n_copy], cx])
         y = torch.cat([y[: len(y) - n_copy], cy])
     mine = slice(rank * batch_size, (rank + 1) * batch_size)
     return x[mine].to(dev), y[mine].to(dev)
-
-
-def frequent_ids(loader, n_ids, k):
-    """The k most frequent ids below n_ids in the training split (1-D tensor), counted over its shards."""
-    counts = np.zeros(n_ids, dtype=np.int64)
-    for shard in loader.shards["train"]:
-        counts += np.bincount(np.asarray(shard), minlength=n_ids)[:n_ids]
-    return torch.from_numpy(np.argsort(-counts, kind="stable")[:k].copy())
-
-
-def copy_rows(n, T, n_ids, g, text=None):
-    """n synthetic rows that copying predicts: each a sequence of L ids, L drawn from [8, T // 2], repeated
-    to fill T + 1 tokens. The sequence is random ids from [0, n_ids), or from the ids of n_ids when it is a
-    1-D tensor (copy_source "random" and "frequent": only copying
-    predicts the repeats, and the targets inside the first occurrence are -1, ignored), or the first L
-    tokens of a corpus window from `text` (n, T + 1) ("text": the first occurrence is ordinary language
-    modelling, the repeats reward copying). Drawn from the data generator g, so resume stays exact.
-    -> x, y (n, T)."""
-    rows, targets = [], []
-    for i in range(n):
-        L = int(torch.randint(8, max(9, T // 2 + 1), (), generator=g))
-        if text is None and torch.is_tensor(n_ids):
-            seq = n_ids[torch.randint(0, len(n_ids), (L,), generator=g)]
-        elif text is None:
-            seq = torch.randint(0, n_ids, (L,), generator=g)
-        else:
-            seq = text[i, :L]
-        xy = seq.repeat(T // L + 2)[: T + 1]  # (T + 1,)
-        y = xy[1:].clone()
-        if text is None:
-            y[:L] = -1  # the first occurrence and the second's first id (r[-1] never preceded r[0])
-        rows.append(xy[:-1])
-        targets.append(y)
-    return torch.stack(rows), torch.stack(targets)
 
 
 def build_model(cfg, config_dump, log):

@@ -45,7 +45,7 @@ Muon 0.04, the rate these runs used then):
   for bf16 in training, experts.py's custom op covers inference only); block_size 512 (fewer tokens/s,
   the attention's T^2); synthetic copy rows (train.py's copy_frac): a quarter of each batch as copy rows
   over all ids at Muon 0.005 cost val loss (3.11 against 2.92) and did not make the toy copy by content
-  (train.copy_probe: 8.28 nats on the second copy against 8.68 on the first, chance 8.32).
+  (copy_probe.copy_probe: 8.28 nats on the second copy against 8.68 on the first, chance 8.32).
 
 """
 

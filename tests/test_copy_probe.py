@@ -1,4 +1,4 @@
-"""train.copy_probe, the induction measure (can a model copy a random sequence it has seen once?): a model
+"""copy_probe.py, the induction measure (can a model copy a random sequence it has seen once?): a model
 built by hand to copy from its context scores a low loss and near-perfect accuracy on the second copy, a
 randomly initialised GLM-5 does not; and a training run logs the probe with every evaluation."""
 
@@ -14,8 +14,8 @@ import torch.nn as nn
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+import copy_probe  # noqa: E402
 import model  # noqa: E402
-import train  # noqa: E402
 
 V = 4096
 
@@ -42,7 +42,7 @@ class Copier(nn.Module):
 
 
 def test_a_copying_model_scores_low_on_the_second_copy():
-    r = train.copy_probe(Copier(), 4079, length=32, rows=4)
+    r = copy_probe.copy_probe(Copier(), 4079, length=32, rows=4)
     assert r["second"] < 0.1, r
     assert r["acc_second"] > 0.95, r
     assert r["first"] > 5.0, r  # nothing predicts the first copy: about ln 4079 = 8.3
@@ -52,7 +52,7 @@ def test_a_random_model_does_not_copy():
     torch.manual_seed(0)
     cfg, _ = model.load_config_file(os.path.join(ROOT, "configs/toy.py"))
     m = model.GLM5(cfg)
-    r = train.copy_probe(m, 4079, length=32, rows=4)
+    r = copy_probe.copy_probe(m, 4079, length=32, rows=4)
     assert abs(r["second"] - r["first"]) < 0.5, r
     assert r["acc_second"] < 0.05, r
     assert m.training, "the probe puts the model back in training mode"
@@ -67,18 +67,18 @@ def test_the_probe_draws_from_a_pool_of_ids():
             seen.update(ids.flatten().tolist())
             return super().forward(ids)
 
-    train.copy_probe(Spy(), pool, length=16, rows=2)
+    copy_probe.copy_probe(Spy(), pool, length=16, rows=2)
     assert seen <= set(pool.tolist()), seen
 
 
 def test_bad_probe_sizes_are_refused():
     with pytest.raises(ValueError, match="length"):
-        train.copy_probe(Copier(), 4079, length=1)
+        copy_probe.copy_probe(Copier(), 4079, length=1)
 
 
 def test_copy_rows_repeat_and_mask_the_first_occurrence():
     g = torch.Generator().manual_seed(0)
-    x, y = train.copy_rows(3, 40, 4079, g)
+    x, y = copy_probe.copy_rows(3, 40, 4079, g)
     assert x.shape == y.shape == (3, 40)
     for row, target in zip(x, y):
         L = int((target == -1).sum())  # the first occurrence and the second's first id are ignored
@@ -86,10 +86,10 @@ def test_copy_rows_repeat_and_mask_the_first_occurrence():
         assert torch.equal(row[L:], row[: 40 - L])  # period L
         assert torch.equal(target[L:-1], row[L + 1 :])
     pool = torch.tensor([3, 30, 300])
-    x, y = train.copy_rows(2, 40, pool, g)
+    x, y = copy_probe.copy_rows(2, 40, pool, g)
     assert set(x.flatten().tolist()) <= {3, 30, 300}
     text = torch.arange(41).repeat(2, 1)
-    x, y = train.copy_rows(2, 40, 4079, g, text)
+    x, y = copy_probe.copy_rows(2, 40, 4079, g, text)
     assert (y >= 0).all()  # a text window's first occurrence is ordinary language modelling
     assert x[0, 0] == 0 and x[0, 1] == 1
 

@@ -360,10 +360,10 @@ def test_model_sparse_stage_under_autocast(case, monkeypatch):
 
 
 def test_compiled_decode_equals_eager_on_the_gpu(case):
-    """serve.py --compile on a GPU: the prefill and decode forwards through torch.compile, where kernels.use_triton hands
-    every kernel's work to inductor, gives the greedy tokens and logprobs of the eager engine, whose decode
-    runs the Triton kernels (in fp32 both do exact fp32 dots, so a near-tied token of this random model
-    cannot flip on tf32 rounding)."""
+    """serve.py --compile on a GPU: the prefill and decode forwards through torch.compile, where
+    kernels.use_triton hands every kernel's work to inductor, gives the greedy tokens and logprobs of the
+    eager engine, whose decode runs the Triton kernels (in fp32 both do exact fp32 dots, so a near-tied
+    token of this random model cannot flip on tf32 rounding)."""
     import engine
     import sampling
     from conftest import tiny_chat_tokenizer

@@ -1,11 +1,13 @@
-"""model.py: parameter arithmetic, both MLA forms, cached decoding, MoE routing and balancing, MTP,
-training. Run: python -m pytest -q tests/test_model.py (add -m "not slow" for the fast tier)."""
+"""model.py and mla.py: parameter arithmetic, both MLA forms, cached decoding, MoE routing and
+balancing, MTP, training. Run: python -m pytest -q tests/test_model.py (add -m "not slow" for the fast
+tier)."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import experts
+import mla
 import model
 from conftest import expert_weight, randomize, tiny_config
 
@@ -104,7 +106,7 @@ def test_decode_dense_attention_equals_the_einsum_path(onednn_calls, pool, B):
 
     heads = dict(num_attention_heads=16, num_key_value_heads=16)
     cfg = tiny_config(**heads, kv_lora_rank=512, qk_rope_head_dim=64, index_head_dim=64)
-    attn = model.MLA(cfg)
+    attn = mla.MLA(cfg)
     g = torch.Generator().manual_seed(6)
     H, C, R, N = 16, 512, 64, 300  # 16 x 576 x 300 multiply-adds: linear.py's rule takes oneDNN
     latent = torch.randn(N, C + R, generator=g)
@@ -439,14 +441,14 @@ def test_rms_norm_and_complex_rope_equal_their_references():
     for dt in (torch.float64, torch.float32, torch.bfloat16):
         x = torch.randn(2, 7, 3, 20, dtype=dt)[..., 12:].requires_grad_()  # a slice, as q_pe is
         pos = torch.randint(0, 500, (2, 7))
-        cos, sin = model.rope_cos_sin(pos, 8, 1e4, torch.float64 if dt == torch.float64 else torch.float32)
-        a, b = model.apply_rope(x, cos, sin), model.apply_rope_ref(x, cos, sin)
+        cos, sin = mla.rope_cos_sin(pos, 8, 1e4, torch.float64 if dt == torch.float64 else torch.float32)
+        a, b = mla.apply_rope(x, cos, sin), mla.apply_rope_ref(x, cos, sin)
         g = torch.randn_like(a)
         assert a.dtype == dt
         torch.testing.assert_close(a, b)  # the same products; a complex multiply may fuse them (FMA)
         torch.testing.assert_close(torch.autograd.grad(a, x, g)[0], torch.autograd.grad(b, x, g)[0])
-        norm = model.RMSNorm(20, 1e-5).to(dt)
+        norm = mla.RMSNorm(20, 1e-5).to(dt)
         with torch.no_grad():
             norm.weight.uniform_(0.5, 1.5)
         h = 3 * torch.randn(4, 5, 20, dtype=dt)
-        torch.testing.assert_close(norm(h), model.rms_norm_ref(h, norm.weight, 1e-5))
+        torch.testing.assert_close(norm(h), mla.rms_norm_ref(h, norm.weight, 1e-5))

@@ -60,7 +60,8 @@ def read_all(directory):
 
 
 def dequantize(q, scale):
-    """q (N, K), scale (N, G) -> the float64 weight: kernels_quant's, with the group size the scale implies."""
+    """q (N, K), scale (N, G) -> the float64 weight: kernels_quant's, with the group size the scale
+    implies."""
     return kernels_quant.dequantize(q, scale, q.shape[1] // scale.shape[-1])
 
 
