@@ -38,13 +38,16 @@ Serving benchmarks for engine.py, each measured side by side in one run on the s
                 dsa.py, DeepSeek-V3.2's FP8 indexer). A batch reads the layer's weights once for all its
                 rows, so its ratio shows more of what DSA saves per row than one row's does. Next to
                 each time: the least the step must read (the weights, the index keys and the selected
-                latents; dense: every latent) and the bound that sets at the measured copy bandwidth (the
-                median of five 256 MiB copies; their range is printed), the indexer's scores timed
+                latents; dense: every latent) and the bound that sets at the copy bandwidth measured in
+                the same rounds (a 256 MiB copy after each round's two steps), the indexer's scores timed
                 alone (one matmul, arithmetic the byte bound does not count), and dense attention's two
                 products timed alone: on a CPU dense decode is arithmetic (9.7 GFLOP at 64K), so those
-                products, not its bytes, set its floor. DSA and dense run in turn, --reps rounds, and the
-                medians are printed. The cache is filled with random latents: prefilling 64K tokens
-                densely on a CPU takes too long, and the step's cost does not depend on the values.
+                products, not its bytes, set its floor. DSA, dense and the copy run in turn, --reps
+                rounds, and the medians are printed. The cache is filled with random latents: prefilling
+                64K tokens densely on a CPU takes too long, and the step's cost does not depend on the
+                values. Then, for issue 17's two goals (dense / DSA >= 4x; DSA within 1.5x of its bound),
+                a straight line through the 1-row and the --rows step (a fixed cost, the weights, and a
+                cost per row) says at which batches each goal holds, and whether both ever hold at once.
 
 4. memory       the engine's cache bytes per token (the latent and the indexer key, every layer) against a
                 dense multi-head K/V cache of the same attention, toy and full size, fp32 and bf16.
@@ -63,6 +66,7 @@ checkpoint parts 1 and 2 say so and part 1 uses random weights.
 """
 
 import argparse
+import math
 import os
 import statistics
 import time
@@ -243,13 +247,20 @@ def bench_dsa(contexts, rows, reps, dev, dtype):
         f"{bw_low / 1e9:.1f}-{bw_high / 1e9:.1f}); the layer's weights read per step "
         f"{weight_bytes / 1e6:.0f} MB = {weight_bytes / bw * 1e3:.1f} ms, the floor under every row below"
     )
+    # the bound of each step below takes the copies timed in its own rounds: this shared machine's copies
+    # have run anywhere from 33 to 70 GB/s within minutes, so one reading at the start can be far off
+    src = torch.ones(64 * 2**20, device=dev, dtype=torch.float32)  # 256 MiB, as copy_bandwidth
+    dst = torch.empty_like(src)
+    copy_bytes = 2 * src.numel() * src.element_size()  # read + write
     out = []
+    steps = {}  # (S, B, cache) -> DSA's time (s), dense's, the bytes DSA must read, the copy's time (s)
     for S in contexts:
         for B in sorted({1, rows}):
             for name, cache, index_quant in dsa_caches(cfg, S, B, dev, dtype):
                 m.config.index_quant = index_quant
                 fill_cache(cache, S, B, Di, dev, dtype)
-                t = dsa_and_dense(m, cache, S, B, reps, dev)
+                t = dsa_and_dense(m, cache, S, B, reps, dev, lambda: dst.copy_(src))
+                bw_here = copy_bytes / t["copy"]
                 # the least a step must read beyond the weights, per row: DSA the index keys and the K
                 # selected latents, dense every latent
                 index_bytes = cache.index_k.shape[-1] * cache.index_k.element_size()
@@ -257,8 +268,9 @@ def bench_dsa(contexts, rows, reps, dev, dtype):
                     "sparse": B * (S * index_bytes + K * (C + R) * size),
                     "dense": B * S * (C + R) * size,
                 }
-                bound = {k: (weight_bytes + v) / bw for k, v in need.items()}
+                bound = {k: (weight_bytes + v) / bw_here for k, v in need.items()}
                 out.append((S, B, name, t["sparse"], t["dense"], bound["sparse"]))
+                steps[S, B, name] = (t["sparse"], t["dense"], weight_bytes + need["sparse"], t["copy"])
                 ms = {k: v * 1e3 for k, v in t.items()}
                 rows_named = f"{B} row " if B == 1 else f"{B} rows"
                 print(
@@ -266,9 +278,17 @@ def bench_dsa(contexts, rows, reps, dev, dtype):
                     f"{need['sparse'] / 1e6:5.1f} MB + weights: bound {bound['sparse'] * 1e3:5.1f} ms, "
                     f"{t['sparse'] / bound['sparse']:.2f}x it), dense {ms['dense']:7.1f} ms (>= "
                     f"{need['dense'] / 1e6:6.1f} MB + weights, {t['dense'] / bound['dense']:.2f}x its "
-                    f"bound); dense / DSA = {t['dense'] / t['sparse']:.2f}x",
+                    f"bound); dense / DSA = {t['dense'] / t['sparse']:.2f}x; copies in these rounds "
+                    f"{bw_here / 1e9:.1f} GB/s",
                     flush=True,
                 )
+        for name in ("PagedCache", "PagedCache, int8 index"):  # read in place, both index layouts
+            if rows > 1:
+                one, many = steps[S, 1, name], steps[S, rows, name]
+                bw_both = copy_bytes / statistics.mean([one[3], many[3]])  # one bandwidth for both bounds
+                one = (one[0], one[1], one[2] / bw_both)
+                many = (many[0], many[1], many[2] / bw_both)
+                print_where_goals_hold(S, name, one, many, rows, bw_both)
         # the byte bound leaves out arithmetic: the indexer's scores are one (heads x Di) x (Di x S) product
         # over every index key, which on a CPU thread costs more than reading those keys; timed as the step
         # runs it (linear.linear, the keys as the rows: oneDNN's GEMM on a CPU)
@@ -315,6 +335,61 @@ def bench_dsa(contexts, rows, reps, dev, dtype):
     return out
 
 
+def batches_where(a, c):
+    """The batches n >= 1 with n a >= c, as (first, last) (last may be math.inf), or None if there are none."""
+    if a == 0:
+        return (1, math.inf) if c <= 0 else None
+    if a > 0:
+        return (max(1, math.ceil(c / a)), math.inf)
+    last = math.floor(c / a)  # a < 0: n <= c / a
+    return (1, last) if last >= 1 else None
+
+
+def where_goals_hold(one, many, B):
+    """Issue 17's two goals for DSA, dense / DSA >= 4x and DSA within 1.5x of its byte bound, as a function
+    of the batch n, from a straight line through the 1-row and the B-row step: each time = fixed + n x per
+    row (the weights are read once a step, each row's attention adds its own). one, many: (DSA, dense,
+    DSA's bound) in seconds -> (lines {"dsa", "dense", "bound"}: (fixed, per row), the batches where 4x
+    holds, those where 1.5x holds: each (first, last) or None, batches_where's)."""
+    lines = {}
+    for i, name in enumerate(("dsa", "dense", "bound")):
+        per_row = (many[i] - one[i]) / (B - 1)
+        lines[name] = (one[i] - per_row, per_row)
+    w_s, s = lines["dsa"]
+    w_d, d = lines["dense"]
+    w_b, b = lines["bound"]
+    four = batches_where(d - 4 * s, 4 * w_s - w_d)  # w_d + n d >= 4 (w_s + n s)
+    near = batches_where(1.5 * b - s, w_s - 1.5 * w_b)  # w_s + n s <= 1.5 (w_b + n b)
+    return lines, four, near
+
+
+def print_where_goals_hold(S, name, one, many, B, bw):
+    """where_goals_hold's answer, one line: at which batches each goal holds, and whether both ever do (the
+    bounds in `one` and `many` taken at one copy bandwidth, bw bytes/s)."""
+    lines, four, near = where_goals_hold(one, many, B)
+    ms = {k: (v[0] * 1e3, v[1] * 1e3) for k, v in lines.items()}
+
+    def said(r):
+        if r is None:
+            return "no batch"
+        if r[1] == math.inf:
+            return f"{r[0]} rows and up"
+        if r[0] == r[1]:
+            return f"{r[0]} row" if r[0] == 1 else f"{r[0]} rows"
+        return f"{r[0]} to {r[1]} rows"
+
+    both = None
+    if four is not None and near is not None and max(four[0], near[0]) <= min(four[1], near[1]):
+        both = (max(four[0], near[0]), min(four[1], near[1]))
+    print(
+        f"{S:>7} tokens, {name}, a line through 1 and {B} rows: DSA {ms['dsa'][0]:.1f} ms + "
+        f"{ms['dsa'][1]:.2f} ms a row, dense {ms['dense'][0]:.1f} + {ms['dense'][1]:.2f}, DSA's bound "
+        f"{ms['bound'][0]:.1f} + {ms['bound'][1]:.2f} (copies at {bw / 1e9:.1f} GB/s): dense / DSA >= 4x "
+        f"at {said(four)}, DSA within 1.5x of its bound at {said(near)}; both at once at {said(both)}",
+        flush=True,
+    )
+
+
 def fill_cache(cache, S, B, Di, dev, dtype):
     """Random latents and index keys in every row's S cached tokens (and the slots after them): a decode
     step's cost does not depend on the values, and prefilling 64K tokens densely on a CPU takes too long."""
@@ -327,18 +402,22 @@ def fill_cache(cache, S, B, Di, dev, dtype):
     ik.copy_(dsa.to_index_cache(keys, ik.dtype))
 
 
-def dsa_and_dense(m, cache, S, B, reps, dev):
-    """One decode step of B rows at position S, DSA and dense in turn for `reps` rounds (a slow spell of a
-    shared machine hits both) -> {"sparse": median s, "dense": median s}."""
+def dsa_and_dense(m, cache, S, B, reps, dev, copy):
+    """One decode step of B rows at position S, DSA and dense in turn, then `copy` (a large copy, for the
+    byte bound), for `reps` rounds (a slow spell of a shared machine hits all three)
+    -> {"sparse": median s, "dense": median s, "copy": median s}."""
     ids = torch.full((B, 1), 5, device=dev)
-    times = {"sparse": [], "dense": []}
+    times = {"sparse": [], "dense": [], "copy": []}
     for r in range(reps + 1):
-        for mode in times:
+        for mode in ("sparse", "dense"):
             m.config.dsa_mode = mode
             with torch.no_grad():
                 took = timed(lambda: m(ids, cache=cache, start_pos=S), dev)[1]
             if r > 0:  # round 0 warms both up
                 times[mode].append(took)
+        took = timed(copy, dev)[1]
+        if r > 0:
+            times["copy"].append(took)
     return {mode: statistics.median(v) for mode, v in times.items()}
 
 
