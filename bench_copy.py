@@ -48,7 +48,6 @@ import copy_probe
 import mla
 import model as glm
 import muon
-import train
 
 
 def toy_config():

@@ -336,7 +336,8 @@ def bench_dsa(contexts, rows, reps, dev, dtype):
 
 
 def batches_where(a, c):
-    """The batches n >= 1 with n a >= c, as (first, last) (last may be math.inf), or None if there are none."""
+    """The batches n >= 1 with n a >= c, as (first, last) (last may be math.inf), or None if there are
+    none."""
     if a == 0:
         return (1, math.inf) if c <= 0 else None
     if a > 0:
@@ -372,6 +373,8 @@ def print_where_goals_hold(S, name, one, many, B, bw):
     def said(r):
         if r is None:
             return "no batch"
+        if r == (1, math.inf):
+            return "every batch"
         if r[1] == math.inf:
             return f"{r[0]} rows and up"
         if r[0] == r[1]:

@@ -243,7 +243,7 @@ def relu(dots):
 
 def selected_index_scores(q, w, k_all, idx, softmax_scale):
     """index_scores at the selected keys only -> (B, T, K) fp32, equal to index_scores(...).gather(-1, idx):
-    all the sparse stage's KL needs, without the (B, T, Hi, S) intermediate (model.py's kernel path)."""
+    all the sparse stage's KL needs, without the (B, T, Hi, S) intermediate (mla.py's kernel path)."""
     k_sel = gather_rows(k_all, idx)  # (B, T, K, Di)
     with torch.autocast(q.device.type, enabled=False):
         dots = torch.einsum("bthd,btkd->bthk", q, upcast(k_sel).to(q.dtype))  # (B, T, Hi, K)

@@ -1,7 +1,7 @@
 """
 An independent float64 reference of the GLM-5 forward pass, written from the GLM-5 report (section 2),
 the DeepSeek-V3/V3.2 reports and the released config.json alone, and the checks that the project's
-model (model.py + dsa.py) computes the same logits and MTP loss.
+model (model.py + mla.py + dsa.py) computes the same logits and MTP loss.
 
 The reference reads a flat {checkpoint name: tensor} dict (names exactly as released; the MTP block
 is `model.layers.{num_hidden_layers}.*`) and uses nothing from the project but its public API
