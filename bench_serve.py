@@ -252,7 +252,6 @@ def bench_dsa(contexts, rows, reps, dev, dtype):
     src = torch.ones(64 * 2**20, device=dev, dtype=torch.float32)  # 256 MiB, as copy_bandwidth
     dst = torch.empty_like(src)
     copy_bytes = 2 * src.numel() * src.element_size()  # read + write
-    out = []
     steps = {}  # (S, B, cache) -> DSA's time (s), dense's, the bytes DSA must read, the copy's time (s)
     for S in contexts:
         for B in sorted({1, rows}):
@@ -269,7 +268,6 @@ def bench_dsa(contexts, rows, reps, dev, dtype):
                     "dense": B * S * (C + R) * size,
                 }
                 bound = {k: (weight_bytes + v) / bw_here for k, v in need.items()}
-                out.append((S, B, name, t["sparse"], t["dense"], bound["sparse"]))
                 steps[S, B, name] = (t["sparse"], t["dense"], weight_bytes + need["sparse"], t["copy"])
                 ms = {k: v * 1e3 for k, v in t.items()}
                 rows_named = f"{B} row " if B == 1 else f"{B} rows"
@@ -332,7 +330,6 @@ def bench_dsa(contexts, rows, reps, dev, dtype):
         )
     m.config.dsa_mode = "sparse"
     m.config.index_quant = "none"
-    return out
 
 
 def batches_where(a, c):

@@ -207,22 +207,16 @@ class MLA(nn.Module):
         query t sees key positions 0..last[t], last (B or 1, T). cached: the keys come from a cache (the
         absorbed form is then the default). work: a paged cache's reused buffers (dsa.reused).
         Returns o (B, T, H, v) before o_proj, and the indexer KL (want_kl) or None."""
-        c = self.cfg
         B, T, H, _ = q_nope.shape
         S = latent_all.shape[1] if rows is None else rows.shape[1]
-        visible = torch.arange(S, device=q_nope.device) <= last[..., None]  # (B or 1, T, S)
-
-        # DSA: with no more visible keys than index_topk, top-k would keep them all: sparse == dense
-        select = c.dsa_mode == "sparse" and S > c.index_topk
-        form = form or ("absorb" if select or cached else "naive")
+        visible, idx, valid = self.select(iq, iw, index_k_all, rows, last, S, work)  # idx None: dense
+        selecting = idx is not None
+        form = form or ("absorb" if selecting or cached else "naive")
         if form not in ("naive", "absorb"):
             raise ValueError(f"MLA form must be 'naive' or 'absorb', got {form!r}")
-        idx = valid = None
-        if select:  # idx: positions, or pool rows when reading a pool in place
-            idx, valid = self.select(iq, iw, index_k_all, rows, last, work)  # (B, T, K)
 
         if form == "naive":
-            mask = dsa.selection_mask(idx, valid, S) if select else visible  # (B or 1, T, S)
+            mask = dsa.selection_mask(idx, valid, S) if selecting else visible  # (B or 1, T, S)
             o, probs = self.naive_attention(q_nope, q_pe, latent_all, mask, need_probs=want_kl)
         else:
             w_uk, w_uv = self.w_uk_uv()
@@ -238,7 +232,7 @@ class MLA(nn.Module):
         # over the keys this attention saw (dense warm-up: every visible key; sparse stage: the selection)
         if index_k_all.dtype == torch.int8:  # an int8 cache's history: the keys as the selection saw them
             index_k_all = dsa.dequantize_index_keys(index_k_all)  # (no gradient; training runs uncached)
-        if select and form == "absorb":  # over the K selected keys, target rebuilt from the lse
+        if selecting and form == "absorb":  # over the K selected keys, target rebuilt from the lse
             target = dsa.sparse_mla_target(q_abs, q_pe, latent_all, idx, valid, lse, self.softmax_scale)
             scores = dsa.selected_index_scores(iq, iw, index_k_all, idx, self.indexer.softmax_scale)
             keys = valid  # (B, T, K)
@@ -253,35 +247,36 @@ class MLA(nn.Module):
         each row attends alone, over its own stretch of the pool read in place (first..stop) or, where its
         pages are scattered, over its gathered history. W_UK and W_UV are applied to every row at once, so
         each weight is still read once a step. q_nope (B, T, H, nope), positions (B, T) -> o (B, T, H, v)."""
-        c = self.cfg
         w_uk, w_uv = self.w_uk_uv()
         q_abs = torch.einsum("bthd,hdc->bthc", q_nope, w_uk)  # (B, T, H, C)
         o_lat = []
         for b, (first, stop, rows_b) in enumerate(spans):
             one = slice(b, b + 1)
-            if first is None:
-                lat_b, key_b, rows_b = latent_all[rows_b], index_k_all[rows_b], None  # (1, S_b, ...)
-                S_b = lat_b.shape[1]
+            S_b = rows_b.shape[1]  # this row's history length
+            if first is None:  # its pages scattered: its history gathered, (1, S_b, ...)
+                lat_b, key_b, rows_b = latent_all[rows_b], index_k_all[rows_b], None
             else:
                 lat_b, key_b = latent_all[first:stop], index_k_all[first:stop]  # views of the pool
-                S_b = rows_b.shape[1]
-            visible = torch.arange(S_b, device=q_abs.device) <= positions[one, :, None]  # (1, T, S_b)
-            idx = valid = None
-            if c.dsa_mode == "sparse" and S_b > c.index_topk:
-                idx, valid = self.select(iq[one], iw[one], key_b, rows_b, positions[one], work)
+            visible, idx, valid = self.select(iq[one], iw[one], key_b, rows_b, positions[one], S_b, work)
             o_b = self.over_latents(q_abs[one], q_pe[one], lat_b, rows_b, idx, valid, visible, work)[0]
             o_lat.append(o_b)  # (1, T, H, C)
         return torch.einsum("bthc,hvc->bthv", torch.cat(o_lat), w_uv)  # (B, T, H, v)
 
-    def select(self, iq, iw, index_k_all, rows, last, work=None):
-        """DSA's selection: each query's index_topk best keys among positions 0..last (B or 1, T), scored
-        over the index keys (B, S, Ki), or with rows (B, S) set over a pool's (N, Ki) in place
-        -> idx, valid (B, T, K): positions, or pool rows when reading a pool in place."""
+    def select(self, iq, iw, index_k_all, rows, last, S, work=None):
+        """The keys each query attends to: positions 0..last (B or 1, T) of S are visible, and with DSA
+        selecting, its index_topk best among them, scored over the index keys (B, S, Ki), or with rows
+        (B, S) set over a pool's (N, Ki) in place -> visible (B or 1, T, S), and idx, valid (B, T, K)
+        (positions, or pool rows when reading a pool in place), or None, None for dense attention."""
         c = self.cfg
+        visible = torch.arange(S, device=last.device) <= last[..., None]  # (B or 1, T, S)
+        # DSA: with no more visible keys than index_topk, top-k would keep them all: sparse == dense
+        if c.dsa_mode != "sparse" or S <= c.index_topk:
+            return visible, None, None
         keys = index_k_all
         if c.index_quant == "int8" and keys.dtype != torch.int8:  # fresh keys: packed as a cache packs
             keys = dsa.pack_index_keys(keys)  # (B, S, Di + 4) int8
-        return dsa.index_topk(iq, iw, keys, last, c.index_topk, self.indexer.softmax_scale, rows, work)
+        idx, valid = dsa.index_topk(iq, iw, keys, last, c.index_topk, self.indexer.softmax_scale, rows, work)
+        return visible, idx, valid
 
     def over_latents(self, q_abs, q_pe, latent_all, rows, idx, valid, visible, work=None):
         """The absorbed form's attention, W_UK already folded into q_abs (B, T, H, C): over each query's
