@@ -215,7 +215,7 @@ class Request:
         seed = self.sp.seed if sp.seed is not None else int.from_bytes(os.urandom(6), "little")
         self.gen = torch.Generator().manual_seed(seed)
         self.accepted = []  # tokens appended per speculative step
-        self.h_mtp = None  # MTP state: the block's last output hidden state (D,) ...
+        self.h_mtp = None  # MTP state: the block's last output after shared_head.norm (D,) ...
         self.draft_logits = None  # ... and the logits (V,) of the next first draft
 
     @property
@@ -481,14 +481,17 @@ class Engine:
         return start.view(-1, 1) + torch.arange(T, device=self.device)  # (B, T)
 
     def forward(self, ids, starts, rows):
-        """ids (B, T), starts: each row's first position -> h (B, T, D), the main stack's last hidden
-        state (GLM5.forward's, over the pages); logits() puts the head on the positions wanted."""
+        """ids (B, T), starts: each row's first position -> h (B, T, D), the main stack's output after
+        model.norm (GLM5.forward's, over the pages): what lm_head reads (logits() at the positions wanted)
+        and what the MTP block takes as its first hidden state."""
         if self.compiled_layers is None or ids.shape[1] == 1:
             # one token (a prompt whose prefix was cached but its last token): eager, as torch.compile
             # would build separate graphs for a length of 1; a decode step goes through decode_step
-            return self.layers(ids, self.place(rows, starts, ids.shape[1]))
-        # compiled: the page tables at their fixed width, as in decode_step, so no page count recompiles
-        return self.compiled_layers(ids, self.place(rows, starts, ids.shape[1], width=self.table_width))
+            h = self.layers(ids, self.place(rows, starts, ids.shape[1]))
+        else:
+            # compiled: the page tables at their fixed width, as in decode_step, so no page count recompiles
+            h = self.compiled_layers(ids, self.place(rows, starts, ids.shape[1], width=self.table_width))
+        return self.model.model.norm(h)
 
     def rope(self, positions):
         """positions (B, T) -> RoPE's cos, sin (B, T, R / 2), in the model's compute dtype."""
@@ -522,21 +525,23 @@ class Engine:
         return self.model.lm_head(self.decode_hidden(ids, positions))
 
     def logits(self, h, last=None):
-        """h (B, T, D) -> logits (B, T, V), or (B, V) at one position per row: last[i] for row i."""
-        m = self.model
+        """h (B, T, D) after model.norm (forward's) -> logits (B, T, V), or (B, V) at one position per row:
+        last[i] for row i."""
         if last is not None:
             h = h[torch.arange(h.shape[0], device=h.device), torch.tensor(last, device=h.device)]
-        return m.lm_head(m.model.norm(h))
+        return self.model.lm_head(h)
 
     def mtp(self, h, next_ids, starts, rows):
-        """The MTP block at positions starts.. with inputs (h_i, embed(t_{i+1})) -> (logits, h'): its
-        logits and its output hidden state, which the next MTP step takes as its h."""
+        """The MTP block at positions starts.. with inputs (h_i, embed(t_{i+1})) -> (logits, h'). h: the
+        main stack's output after model.norm (forward's), or the block's own last h'; h' is its output
+        after shared_head.norm, which lm_head reads and the next MTP step takes as its h (model.MTPBlock:
+        the released weights' contract)."""
         m = self.model
         positions = self.place(rows, starts, h.shape[1])
         cos, sin = self.rope(positions)
         emb = m.model.embed_tokens(next_ids)
-        h2, h_norm, _, _ = m.mtp_layers[0](h, emb, cos, sin, positions, self.cache)
-        return m.lm_head(h_norm), h2
+        h2, _, _ = m.mtp_layers[0](h, emb, cos, sin, positions, self.cache)
+        return m.lm_head(h2), h2
 
     # --- decoding: plain, or speculative with the MTP block -----------------------------
 

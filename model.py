@@ -15,7 +15,8 @@ config.json): the decoder stack here, its attention in mla.py.
   experts and their paths are experts.py's); the aux-loss-free bias update here, the sequence-level
   balance loss there, as functions training calls.
 - MTP (GLM-5 report, section 2): enorm/hnorm/eh_proj -> a full decoder layer -> shared_head.norm ->
-  the shared lm_head, one block applied num_mtp_steps times.
+  the shared lm_head, one block applied num_mtp_steps times; it reads the main stack's output after
+  model.norm and carries its own output after shared_head.norm, as the released weights expect.
 - Incremental decoding over a cache holding only [c_kv | k_pe] (512 + 64 values) and the 128-d
   indexer key per token per layer (with index_quant "int8": 128 int8 values and a 4-byte scale, dsa.py):
   KVCache here (contiguous), paged_cache.py's page pool for the engine (read in place by mla.py).
@@ -264,7 +265,10 @@ class SharedHead(nn.Module):  # checkpoint: model.layers.{L}.shared_head.norm (t
 
 
 class MTPBlock(Block):
-    """h' = eh_proj([enorm(embed(t_{i+1})) ; hnorm(h_i)]) -> a full decoder layer; stored as layer L."""
+    """x = eh_proj([enorm(embed(t_{i+1})) ; hnorm(h_i)]) -> a full decoder layer -> h' = shared_head.norm(x);
+    stored as layer L. The hidden-state contract of the released weights (the one vLLM's and SGLang's GLM-5
+    MTP code follow, vLLM PR #47448): the first step's h_i is the main stack's output after model.norm, and
+    each step hands the next the same h' the shared lm_head reads, after shared_head.norm."""
 
     def __init__(self, cfg, layer_id):
         super().__init__(cfg, layer_id)
@@ -274,10 +278,11 @@ class MTPBlock(Block):
         self.shared_head = SharedHead(cfg)
 
     def forward(self, h, emb, cos, sin, positions, cache=None, form=None, want_balance=False, want_kl=False):
-        """-> (h' for the next MTP step, shared_head.norm(h') for the shared lm_head, balance, kl)."""
+        """h (B, T, D) post-norm, emb (B, T, D) -> (h' (B, T, D): the input of the shared lm_head and of the
+        next MTP step, balance, kl)."""
         x = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(h)], dim=-1))
         x, balance, kl = super().forward(x, cos, sin, positions, cache, form, want_balance, want_kl)
-        return x, self.shared_head.norm(x), balance, kl
+        return self.shared_head.norm(x), balance, kl
 
 
 class KVCache:
@@ -411,7 +416,8 @@ class GLM5(nn.Module):
             h, balance, kl = layer(h, cos, sin, positions, cache, form, want_balance, want_kl)
             balances.append(balance)
             kls.append(kl)
-        logits = self.lm_head(self.model.norm(h))
+        h = self.model.norm(h)  # (B, T, D): what lm_head reads, and the MTP block's first input
+        logits = self.lm_head(h)
         if targets is None:
             return logits
 
@@ -447,9 +453,10 @@ class GLM5(nn.Module):
         kls=None,
     ):
         """Mean over num_mtp_steps of the cross-entropy of MTP step k predicting token t_{i+k+1}.
-        Step k at position i sees h^{k-1}_i (h^0 = the main stack's last hidden state) and embed(t_{i+k});
-        all steps share one block's weights (GLM-5: 1 block, 3 steps). The block's aux losses are
-        appended to `balances` / `kls`."""
+        Step k at position i sees h^{k-1}_i and embed(t_{i+k}): h^0 is the main stack's output after
+        model.norm (h here), h^k the block's output after shared_head.norm, which lm_head also reads (the
+        released weights' contract, MTPBlock). All steps share one block's weights (GLM-5: 1 block, 3
+        steps). The block's aux losses are appended to `balances` / `kls`."""
         c = self.config
         T = input_ids.shape[1]
         steps = min(c.num_mtp_steps, T - 1) if self.mtp_layers else 0
@@ -460,7 +467,7 @@ class GLM5(nn.Module):
             block = self.mtp_layers[min(k - 1, len(self.mtp_layers) - 1)]
             n = T - k
             emb = self.model.embed_tokens(input_ids[:, k:])  # embed(t_{i+k}), (B, n, D)
-            h, h_norm, balance, kl = block(
+            h, balance, kl = block(
                 h[:, :n],
                 emb,
                 cos[:, :n],
@@ -472,7 +479,7 @@ class GLM5(nn.Module):
             if balances is not None:
                 balances.append(balance)
                 kls.append(kl)
-            logits = self.lm_head(h_norm)
+            logits = self.lm_head(h)
             total = total + F.cross_entropy(
                 upcast(logits).flatten(0, 1), targets[:, k:].flatten(), ignore_index=-1
             )

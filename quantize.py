@@ -64,6 +64,10 @@ Where a rotation cannot be fused, and what is done instead:
 - the inputs of o_proj and of every down_proj come from inside the block (attention output, SwiGLU
   product): QuaRot rotates them with an online Hadamard before the matmul; not done here, so those INT8
   activations keep their outliers (the calibration report shows only the two residual readers);
+- the MTP block reads model.norm's output with its weight (the released weights' contract, model.MTPBlock),
+  w ⊙ n(h), which no diagonal weight in the rotated basis gives: hnorm gets a D x D map before it,
+  `model.layers.{L}.hnorm.input_map` = Q^T diag(w) Q (quantized.MTPInputNorm; a reader that does not know
+  the name must skip it, and its MTP drafts are then off the contract, never its outputs);
 - lm_head is shared by the main stack (after model.norm) and the MTP block (after shared_head.norm), whose
   norm weights differ, and one matrix can absorb only one: lm_head takes model.norm's, and the MTP block
   gets its own head `model.layers.{L}.shared_head.head.weight` (the name the release already uses and
@@ -308,9 +312,13 @@ def is_residual_norm(name):
 def rotate_tensor(name, t, norms, Q):
     """One checkpoint tensor -> its rotated form (in Q's dtype), with the residual norms folded in.
     norms: {name: the original weight} of every residual-stream norm. Anything off the residual stream
-    comes back unchanged."""
+    comes back unchanged. A rotated MTP block's hnorm.input_map is made here from model.norm's weight (t
+    is not read)."""
     m = LAYER.fullmatch(name)
     prefix, rest = (f"model.layers.{m.group(1)}.", m.group(2)) if m else ("", name)
+    if rest == "hnorm.input_map":  # (D, D): model.norm's weight in the rotated basis (MTPInputNorm)
+        w = norms["model.norm.weight"].to(Q.dtype)
+        return Q.T @ (w[:, None] * Q)
     f = t.to(Q.dtype)
 
     def reader(W, norm_name):  # W (out, D): W diag(w) Q
@@ -342,6 +350,10 @@ def mtp_head_name(cfg):
     return f"model.layers.{cfg.num_hidden_layers}.shared_head.head.weight"
 
 
+def mtp_input_map_name(j, cfg):
+    return f"model.layers.{cfg.num_hidden_layers + j}.hnorm.input_map"
+
+
 def rotate_model(model, seed=0):
     """A copy of `model` with QuaRot applied to its weights (in float64 when the model is, else fp32), and
     the MTP block's own head mapped onto lm_head (quantized.MTPHeadNorm). Same function, rotated stream."""
@@ -361,10 +373,12 @@ def rotate_model(model, seed=0):
                 t.copy_(new)
         if rotated.mtp_layers:
             head = rotate_tensor(mtp_head_name(cfg), model.lm_head.weight, norms, Q)
-            for block in rotated.mtp_layers:
+            for j, block in enumerate(rotated.mtp_layers):
                 block.shared_head.norm = quantized.MTPHeadNorm.from_heads(
                     block.shared_head.norm, rotated.lm_head.weight, head
                 )
+                input_map = rotate_tensor(mtp_input_map_name(j, cfg), None, norms, Q)
+                block.hnorm = quantized.MTPInputNorm.from_norm(block.hnorm, input_map)
     return rotated
 
 
@@ -490,6 +504,9 @@ def quantize_checkpoint(
         todo = dict(tensors)
         if rotate and cfg.num_nextn_predict_layers and "lm_head.weight" in todo and not has_mtp_head:
             todo[mtp_head_name(cfg)] = todo["lm_head.weight"]  # the MTP block gets its own head (see above)
+        for j in range(cfg.num_nextn_predict_layers if rotate else 0):
+            if mtp_input_map_name(j, cfg).replace("input_map", "weight") in todo:  # beside its hnorm
+                todo[mtp_input_map_name(j, cfg)] = None  # rotate_tensor makes it from model.norm's weight
         written = {}
         for name, t in todo.items():
             if rotate:

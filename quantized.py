@@ -10,7 +10,8 @@ checkpoints (its docstring has the layout and the compressed-tensors sources it 
   down (E, D, .)), run by kernels_quant.w4a8_experts (INT4) or expert by expert through w8a8_linear (INT8).
 - MTPHeadNorm: the MTP block's shared_head.norm when the checkpoint carries its own MTP head (a rotated
   checkpoint does, quantize.py says why): the norm followed by the D x D map that makes the shared lm_head
-  compute the MTP head's logits.
+  compute the MTP head's logits. MTPInputNorm: a rotated checkpoint's hnorm, which maps its input back to
+  the post-norm hidden state the released MTP contract hands the block.
 - from_pretrained(directory): config.json's quantization_config checked (one sentence naming the field
   for anything not supported), the model built on the meta device, every targeted module swapped, then
   the shards copied in one by one, as weights.from_pretrained does for BF16 checkpoints (which calls this).
@@ -140,6 +141,36 @@ class MTPHeadNorm(nn.Module):
         xf = x.to(torch.promote_types(x.dtype, torch.float32))
         y = self.weight * F.rms_norm(xf, (xf.shape[-1],), eps=self.eps).to(x.dtype)
         return y @ self.to_main.to(y.dtype)  # y M^T: lm_head of it is y M^T H^T = y H_mtp^T
+
+
+class MTPInputNorm(nn.Module):
+    """hnorm for the MTP block of a rotated checkpoint: RMSNorm(y A) * weight, A = input_map (D, D).
+
+    The released weights' contract hands the MTP block model.norm's output, w ⊙ n(h) (n: RMSNorm without
+    its weight), and each later step the block's own shared_head.norm output. In a rotated model model.norm's
+    weight is folded into lm_head, so the stream gives n(h) Q, and w ⊙ n(h) in the rotated basis is
+    n(h) Q (Q^T diag(w) Q): quantize.py writes A = Q^T diag(w) Q as model.layers.{L}.hnorm.input_map. A later
+    step's input comes from MTPHeadNorm, n(x) Q M with M = Q^T diag(w_s / w) Q, and the same A turns it into
+    (w_s ⊙ n(x)) Q: one map serves every step, and RMSNorm sees the RMS the unrotated model sees."""
+
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.register_buffer("input_map", torch.eye(dim))
+
+    @classmethod
+    def from_norm(cls, norm, input_map):
+        m = cls(norm.weight.shape[0], norm.eps).to(norm.weight.device, norm.weight.dtype)
+        with torch.no_grad():
+            m.weight.copy_(norm.weight)
+            m.input_map.copy_(input_map.to(m.input_map.dtype))
+        return m
+
+    def forward(self, y):
+        y = y @ self.input_map.to(y.dtype)  # (.., D): the hidden the unrotated block would read, rotated
+        yf = y.to(torch.promote_types(y.dtype, torch.float32))
+        return self.weight * F.rms_norm(yf, (yf.shape[-1],), eps=self.eps).to(y.dtype)
 
 
 # -----------------------------------------------------------------------------
@@ -334,7 +365,8 @@ def from_pretrained(directory, dtype=None, device="cpu", **overrides):
     mtp_heads = {
         f"model.layers.{L + j}.shared_head.head.weight": j for j in range(cfg.num_nextn_predict_layers)
     }
-    loaded, heads = set(), {}
+    mtp_maps = {f"model.layers.{L + j}.hnorm.input_map": j for j in range(cfg.num_nextn_predict_layers)}
+    loaded, heads, maps = set(), {}, {}
     for fname, names in weights.open_checkpoint(directory).items():
         f = weights.SafeFile(os.path.join(directory, fname))
         for name in names:
@@ -343,6 +375,9 @@ def from_pretrained(directory, dtype=None, device="cpu", **overrides):
             src = f.get(name)
             if name in mtp_heads:  # the MTP block's own head: mapped onto lm_head after loading
                 heads[mtp_heads[name]] = src
+                continue
+            if name in mtp_maps:  # a rotated checkpoint's map before hnorm (MTPInputNorm)
+                maps[mtp_maps[name]] = src
                 continue
             if name.endswith(WEIGHT_SHAPE):
                 check_shape(name, src, expected, fname)
@@ -371,6 +406,9 @@ def from_pretrained(directory, dtype=None, device="cpu", **overrides):
             f"checkpoint {directory} lacks tensor {missing[0]} (and {len(missing) - 1} more) that "
             "config.json and its quantization_config imply"
         )
+    for j, input_map in maps.items():
+        block = model.mtp_layers[j]
+        block.hnorm = MTPInputNorm.from_norm(block.hnorm, input_map)
     for j, head in heads.items():
         block = model.mtp_layers[j]
         if not torch.equal(head.to(model.lm_head.weight.dtype), model.lm_head.weight.detach()):

@@ -8,6 +8,12 @@ describe is the GLM-5 report's section 2 (arXiv 2602.15763).
     model = weights.from_pretrained("path/to/GLM-5", dtype=torch.bfloat16)   # shard by shard
     weights.save_pretrained(model, "out/ckpt")                                # the same format back
 
+The MTP block is stored after the decoder layers, as model.layers.{num_hidden_layers}, and reads the hidden
+state the released weights were trained with: the main stack's output after model.norm, then its own output
+after shared_head.norm (model.MTPBlock; the contract vLLM's and SGLang's GLM-5 MTP code follow). A nanoGLM
+checkpoint written before that contract was adopted (29 Nov 2026) holds an MTP block trained on pre-norm
+hidden states: it still serves losslessly, with fewer drafts accepted.
+
 The model stacks each layer's routed experts into two tensors (experts.Experts); the files keep the released
 one-tensor-per-expert names (`model.layers.{L}.mlp.experts.{e}.gate_proj.weight`, ...), mapped both ways
 by checkpoint_tensors, so a file written here loads in any GLM-5 reader and the release loads here.

@@ -542,6 +542,30 @@ def test_mtp_speculative_greedy_equals_plain(ckpt, one_thread):
         assert eng.cache.available() == eng.cache.num_pages
 
 
+def test_mtp_drafts_follow_the_released_weights_contract(ckpt, one_thread):
+    """The engine's first draft after a prefill equals the float64 reference's MTP step 1 (test_reference:
+    the block reads the main stack's output after model.norm) at the prompt's last position, with the
+    sampled token as its next token; and the hidden it carries to the next draft is the block's output after
+    shared_head.norm, the tensor lm_head reads (lm_head(h_mtp) is the draft's logits). The norm weights are
+    random, so a pre-norm hidden in either place misses by far more than the bound."""
+    from test_reference import reference
+
+    m = engine.load_model(ckpt[0])
+    W = {k: v.detach().clone() for k, v in weights.checkpoint_tensors(m.state_dict(), 3).items()}
+    sp = sampling.SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    for prompt in PROMPTS:
+        eng = engine.Engine(m, ckpt[1], num_pages=64, page_size=4, spec_tokens=3)
+        r = eng.submit(prompt, sp)
+        with torch.no_grad():
+            eng.admit_waiting()  # the prefill: the first token, the MTP block's pass, the first draft
+        ids = torch.tensor([prompt + [r.out[0]]])  # the prompt and the token the main model sampled
+        _, steps = reference(W, m.config, ids, sparse=True, mtp=1)
+        d = (r.draft_logits - steps[0][0, len(prompt) - 1]).abs().max().item()
+        assert d < 1e-9, f"first draft's logits against the reference's MTP step 1: {d:.3e}"
+        d = (m.lm_head(r.h_mtp) - r.draft_logits).abs().max().item()
+        assert d < 1e-12, f"the carried hidden is not the one lm_head reads: {d:.3e}"
+
+
 @pytest.fixture(scope="module")
 def learned_mtp(ckpt):
     """A tiny GLM-5 trained for 15 AdamW steps on a repeating 11-token cycle, the MTP loss at full
