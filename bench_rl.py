@@ -118,7 +118,8 @@ class LongTailSearch(envs.Env):
     every episode at its next step (the runs' leftover rollouts finish fast)."""
 
     name = "longtail"
-    keep_recent = 0  # no folding: every turn extends the last, as part 2 needs
+    keep_recent = 0  # no folding and no discard-all: every turn extends the last, as part 2 needs
+    context_threshold = 0
     turns = 4
     alpha, scale, cap = 1.2, 0.3, 15.0  # Pareto shape, its minimum in seconds, the largest wait
     stop = threading.Event()

@@ -38,6 +38,7 @@ class Env:
     run_tool(name, args) -> str, and solve(), a generator of the messages that solve the task (for SFT)."""
 
     name, tools, max_turns, keep_recent, limits = "env", [], 10, None, None
+    context_threshold = None  # rollout.py's discard-all: past this many tokens of context (None: never)
 
     def __init__(self, difficulty=1, max_turns=None):
         assert 0 <= difficulty <= 5, "difficulty runs from 0 (the toy level) to 5"

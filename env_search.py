@@ -4,9 +4,9 @@ Search: an offline knowledge graph, multi-hop questions, the tools search/open/f
 
 A world from the seed (people, companies, universities, cities, countries), one page per entity; questions
 with unique answers, because every hop is a function (one birthplace, one founder...). Levels 1 to 5: a
-walk of min(d, 4) hops, sometimes ending in a number; the agent loop folds its old observations
-(keep_recent = 3). Toy level (0): a birth year, population or founding year, copied from the hit of one
-search call.
+walk of min(d, 4) hops, sometimes ending in a number; the agent loop keeps the results of its last 5 tool
+rounds and discards every round past 8,192 tokens of context (rollout.py). Toy level (0): a birth year,
+population or founding year, copied from the hit of one search call.
 
 Run: python envs.py (one task per environment; python rollout.py plays them through the agent loop)
 Tests: python -m pytest -q tests/test_envs.py
@@ -133,7 +133,8 @@ def pages(world, rng):
 
 
 class SearchEnv(Env):
-    name, max_turns, keep_recent = "search", 24, 3
+    name, max_turns, keep_recent = "search", 24, 5  # the report's keep-recent-k: the last 5 tool rounds
+    context_threshold = 8192  # discard-all past this many tokens (ours: the report does not publish it)
     tools = [
         {
             "name": "search",

@@ -6,16 +6,22 @@ cross-stage distillation, and the agentic RL infrastructure that drops stale and
 a rollout to one inference replica). rl_async.py runs them in the asynchronous loop over serve.py replicas.
 
 What is here, as plain functions on tensors and Trajectory records (rollout.py):
-- group_advantages: GRPO's group-relative advantage (DeepSeekMath, Shao et al. 2024, section 4.1).
+- group_advantages: the group-relative advantage, r - mean(r) over the group for agentic and general RL,
+  divided by the group's std for reasoning RL (GRPO, DeepSeekMath, Shao et al. 2024, section 4.1), as the
+  GLM-5 report gives each objective (SCALE_BY_STD).
 - agentic_loss: direct double-sided importance sampling against the rollout engine's own logprobs; a token
   whose ratio leaves the trust band is masked (exactly zero gradient), as the GLM-5 report does for
   agentic RL.
-- reasoning_loss: GRPO's clipped ratio pi_theta / pi_old with DAPO's asymmetric band (Yu et al. 2025),
-  times IcePop's mask of tokens whose training/inference probability ratio leaves [1/2, 2] (Ling Team,
-  "Every Step Evolves", arXiv 2510.18855, the Ring-1T report).
-- distill_advantages: on-policy distillation's per-token advantage log pi_teacher - log pi_student,
-  group size 1, fed to agentic_loss.
-- staleness and group filters over Trajectory records, with the counts the log line prints.
+- reasoning_loss: the report's Eq. 1: GRPO's clipped ratio pi_theta / pi_old with DAPO's asymmetric band
+  (Yu et al. 2025), times IcePop's mask of tokens whose training/inference probability ratio leaves
+  [1/2, 2] (Ling Team, "Every Step Evolves", arXiv 2510.18855, the Ring-1T report), averaged per response,
+  then over the group: 1/G sum_i 1/|y_i| sum_t.
+- distill_advantages: on-policy cross-stage distillation's per-token advantage sg[log pi_teacher -
+  log pi_student], group size 1, substituted into Eq. 1 (reasoning_loss: the IcePop band and the clip).
+- a rollout is one group member: a rollout folded into several Trajectory records (rollout.py's
+  keep-recent-k) has one reward, one advantage, one verdict of the staleness and group rules, and its
+  |y_i| counts the sampled tokens of all its records.
+- staleness and group filters over rollouts, with the counts the log line prints.
 - the trainer's step: token_logprobs (a teacher-forced forward of model.GLM5 on the exact token ids),
   policy_loss (group-relative advantages and one of the three losses by `kind`) and rl_step (backward, clip,
   one step of train.py's Muon + AdamW from build_optimizers), with the indexers and the MoE router bias
@@ -24,8 +30,9 @@ What is here, as plain functions on tensors and Trajectory records (rollout.py):
   (FSDP2) each rank trains its rows of the whole batch (the batch's advantages and token count, so the
   ranks' gradients add up to one process's); with shared_prefix=True the step encodes each group's prompt
   once (shared_prefix.py, Prefix Grouper: the same logprobs and gradient, a third of the tokens on the toy
-  run; micro-batches and ranks then take whole groups); reset_optimizers, the optional optimizer reset
-  after a push.
+  run; micro-batches and ranks then take whole groups); reasoning RL and distillation are on-policy
+  (check_on_policy refuses a token sampled by another policy version than the trainer's); reset_optimizers,
+  the reset after each weight push that the report's agentic RL does (rl_async.py's default).
 - the DP-aware router: consistent hashing with virtual nodes and bounded loads (Mirrokni, Thorup and
   Zadimoghaddam, "Consistent Hashing with Bounded Loads", SODA 2018), so a multi-turn rollout keeps hitting
   one replica's prefix cache.
@@ -35,14 +42,16 @@ Run it:
 Tests: python -m pytest -q tests/test_rl.py
 
 Honest limits: the eps bands of agentic_loss are not published (we take the reasoning band, 0.2 / 0.28);
-every loss averages over the loss-mask tokens of the whole batch (DAPO's token-level mean), a choice the
-GLM-5 report does not spell out; the RL learning rates are placeholders (not published); rl_step takes one
-optimizer step per batch, so reasoning_loss's pi_old is the policy itself and its PPO clip never bites;
-the MTP block is left as SFT trained it; the router balances the number of live rollouts per replica, not
-their tokens.
+agentic_loss averages over the loss-mask tokens of the whole batch, the E_t of the report's agentic
+objective; the RL learning rates are placeholders (not published); rl_step takes one optimizer step per
+batch, the report's "entirely on-policy" reasoning RL, so reasoning_loss's pi_old is the trainer's own
+logprob before the step (rho = 1: the clip is in the formula, and bites only if a batch is split into
+several steps, which is not done here) and IcePop's k measures the engines' mismatch alone; the MTP block is
+left as SFT trained it; the router balances the number of live rollouts per replica, not their tokens.
 """
 
 import bisect
+import dataclasses
 import hashlib
 import math
 from collections import Counter
@@ -60,16 +69,23 @@ from shared_prefix import group_micro_batches, shared_token_logprobs
 # Group-relative advantages (GRPO)
 
 
-def group_advantages(rewards, scale_by_std=True, eps=1e-6):
-    """GRPO's advantage: each sample's reward against the other samples of its group (the same prompt),
-    A = (r - mean) / (std + eps), with no value network (DeepSeekMath, section 4.1).
+# The report's advantage for each loss: reasoning RL's Eq. 1 normalises by the group's std (GRPO); the
+# agentic objective (and general RL, which trains with it here) uses r - mean(r) of the group alone
+# (Dr. GRPO's choice too, Liu et al. 2025: no up-weighting of groups that are nearly all right or all
+# wrong); distillation's advantage is per token, no group.
+SCALE_BY_STD = {"reasoning": True, "agentic": False}
+ON_POLICY = ("reasoning", "distill")  # the report runs both entirely on-policy (check_on_policy)
 
-    rewards: (G, n) float, G groups of n samples. Returns (G, n).
-    We divide by the std by default, as GRPO does: with 0/1 rewards it keeps the step size the same whether
-    a group solved 1 of 8 or 7 of 8, so one learning rate serves a pass rate that moves from 20% to 60%.
-    scale_by_std=False gives r - mean, Dr. GRPO's choice (Liu et al. 2025), which does not up-weight the
-    groups that are nearly all right or all wrong. A group whose rewards are all equal teaches nothing: its
-    advantages are set to exactly zero (a float mean of equal numbers may be off by one ulp).
+
+def group_advantages(rewards, scale_by_std=True, eps=1e-6):
+    """The group-relative advantage: each sample's reward against the other samples of its group (the same
+    prompt), with no value network: A = (r - mean) / (std + eps) with scale_by_std (GRPO, DeepSeekMath,
+    section 4.1; with 0/1 rewards it keeps the step size the same whether a group solved 1 of 8 or 7 of 8),
+    A = r - mean without (SCALE_BY_STD says which objective takes which).
+
+    rewards: (G, n) float, G groups of n samples. Returns (G, n). A group whose rewards are all equal
+    teaches nothing: its advantages are set to exactly zero (a float mean of equal numbers may be off by one
+    ulp).
     """
     rewards = rewards.float()
     mean = rewards.mean(dim=1, keepdim=True)  # (G, 1)
@@ -157,22 +173,29 @@ def reasoning_loss(
     clip_low=0.2,
     clip_high=0.28,
     icepop=(0.5, 2.0),
-    n_tokens=None,
+    weights=None,
 ):
-    """GRPO + IcePop (GLM-5 report, Reasoning RL): PPO's clipped objective on rho = pi_theta / pi_old
-    (clip [1 - 0.2, 1 + 0.28], DAPO's clip-higher), with IcePop's calibration of the training/inference
-    mismatch k = pi_old / pi_rollout, both measured on the same weights:
+    """GRPO + IcePop, the GLM-5 report's Eq. 1 (Reasoning RL): PPO's clipped objective on rho = pi_theta /
+    pi_old (clip [1 - 0.2, 1 + 0.28], DAPO's clip-higher), with IcePop's calibration of the
+    training/inference mismatch k = pi_old / pi_rollout, both measured on the same weights, averaged per
+    response and then over the group:
 
-        L = -E_t[ M(k_t) * min(rho_t * A_t, clip(rho_t, 1 - clip_low, 1 + clip_high) * A_t) ],
-        M(k) = k inside [icepop[0], icepop[1]], else 0 (the token is masked).
+        L = -1/G sum_i 1/|y_i| sum_t M(k_t) * min(rho_t * A_t, clip(rho_t, 1 - eps_l, 1 + eps_h) * A_t),
+        M(k) = k inside [icepop[0], icepop[1]], else 0 (the token is masked),
 
-    pi_old is the trainer's own logprob of the batch before this step's updates (logp_old, no grad), so
-    rho measures the optimizer's steps and k only the engine's numerics (MoE routing, kernels, precision);
-    IcePop drops the tokens where the two engines disagree by more than a factor of two either way.
+    with eps_l, eps_h = clip_low, clip_high.
+
+    A 2-token response weighs as much as a 200-token one. pi_old is the trainer's own logprob of the batch
+    before this step's updates (logp_old, no grad), so rho measures the optimizer's steps and k only the
+    engine's numerics (MoE routing, kernels, precision); IcePop drops the tokens where the two engines
+    disagree by more than a factor of two either way. On-policy (the report's reasoning RL), with one
+    optimizer step per batch, logp_old = logp_new.detach(): rho is 1 and the gradient is
+    M(k_t) * A_t * grad log pi_theta / (G |y_i|).
 
     logp_new: (N, T) with grad; logp_old, logp_rollout: (N, T); advantages: (N,) or (N, T); mask: (N, T).
-    A trainer that takes one optimizer step per batch passes logp_old = logp_new.detach(): rho is then 1,
-    the clip never bites, and the gradient is M(k_t) * A_t * grad log pi_theta. n_tokens: as agentic_loss.
+    weights: (N,), what each row's token sum is multiplied by: 1 / (G |y_i|) averaged over the batch's
+    groups (response_weights, which counts a folded rollout's records as one response); None: each row one
+    response, 1 / (N |y_i|).
     """
     mask = mask.bool()
     adv = per_token(advantages, logp_new)  # (N, T)
@@ -183,7 +206,9 @@ def reasoning_loss(
     clipped = torch.clamp(rho, 1 - clip_low, 1 + clip_high)  # no gradient outside the clip range
     surrogate = torch.minimum(rho * adv, clipped * adv)  # (N, T)
     weight = torch.where(keep, k, torch.zeros_like(k))  # M(k_t), zero where masked
-    loss = -(weight * surrogate).sum() / denominator(mask, n_tokens)
+    if weights is None:
+        weights = 1.0 / (mask.sum(dim=1).clamp(min=1).to(surrogate.dtype) * mask.shape[0])  # (N,)
+    loss = -((weight * surrogate).sum(dim=1) * weights.to(surrogate.dtype)).sum()
     is_clipped = rho.detach() != clipped.detach()
     stats = {
         "tokens": int(mask.sum()),
@@ -196,18 +221,79 @@ def reasoning_loss(
 
 def distill_advantages(logp_teacher, logp_student):
     """On-policy cross-stage distillation (GLM-5 report): on the student's own samples, each token's
-    advantage is log pi_teacher - log pi_student, stop-gradient, group size 1 (no group baseline).
+    advantage is sg[log pi_teacher - log pi_student], group size 1 (no group baseline).
 
     Positive where the teacher likes the sampled token more than the student does, so the policy gradient
     raises it; the expectation of the sum over a sample is minus the reverse KL(student || teacher). Each
-    token gets its own term only, no sum over the tokens after it. Shapes: (N, T) in and out; pass the
-    result to agentic_loss as its per-token advantages.
+    token gets its own term only, no sum over the tokens after it. Shapes: (N, T) in and out; the report
+    substitutes it into Eq. 1, so pass it to reasoning_loss as its per-token advantages.
     """
     return (logp_teacher - logp_student).detach()
 
 
 # -----------------------------------------------------------------------------
-# The buffer's two filters over Trajectory records (rollout.py; GLM-5 report, agentic RL infrastructure)
+# A rollout is one group member
+#
+# Folding a rollout's old tool results (rollout.py's keep-recent-k and discard-all) rewrites its context, so
+# one rollout reaches the trainer as several Trajectory records (segments) with one rollout_id. It is still
+# one sample of its group (GLM-5 report, context management of search agents; its agentic RL): one reward,
+# one advantage, one validity and staleness verdict, inherited by each of its records, and its response
+# length |y_i| counts the sampled tokens of all of them.
+
+
+def rollouts(trajs):
+    """{rollout: [record indices]} in order of first appearance. A record's rollout is its rollout_id; a
+    record with none (a test's, a hand-made one) is a rollout of its own."""
+    out = {}
+    for i, t in enumerate(trajs):
+        key = t.rollout_id if t.rollout_id else ("record", i)
+        out.setdefault(key, []).append(i)
+    return out
+
+
+def group_rollouts(trajs):
+    """{group: [[record indices of one rollout], ...]}, groups and rollouts in order of first appearance.
+    The records of one rollout must carry one reward and one group (a ValueError names the rollout)."""
+    groups = {}
+    for key, idx in rollouts(trajs).items():
+        first = trajs[idx[0]]
+        for i in idx[1:]:
+            if trajs[i].group != first.group or float(trajs[i].reward) != float(first.reward):
+                raise ValueError(
+                    f"rollout {key}'s records carry different groups or rewards ({first.group}, "
+                    f"{first.reward} against {trajs[i].group}, {trajs[i].reward}); every segment of a "
+                    "folded rollout must carry the rollout's own (rollout.trajectories does)"
+                )
+        groups.setdefault(first.group, []).append(idx)
+    return groups
+
+
+def trajectory_advantages(trajs, scale_by_std=True):
+    """group_advantages over the batch's groups, one advantage per rollout (not per record), inherited by
+    each of its records. -> (N,) float, one advantage per record."""
+    adv = torch.zeros(len(trajs))
+    for members in group_rollouts(trajs).values():
+        rewards = torch.tensor([[float(trajs[idx[0]].reward) for idx in members]])  # (1, G)
+        for idx, a in zip(members, group_advantages(rewards, scale_by_std)[0]):
+            adv[idx] = a
+    return adv
+
+
+def response_weights(trajs):
+    """Eq. 1's aggregation, 1/G sum_i 1/|y_i| sum_t, averaged over the batch's groups: each record's weight
+    on its token sum, 1 / (n_groups * G * |y_i|), with G the group's rollouts and |y_i| the sampled tokens
+    of the record's whole rollout (all its segments). -> (N,) float64."""
+    w = torch.zeros(len(trajs), dtype=torch.float64)
+    groups = group_rollouts(trajs)
+    for members in groups.values():
+        for idx in members:
+            length = sum(sum(trajs[i].mask) for i in idx)
+            w[idx] = 1.0 / (len(groups) * len(members) * max(length, 1))
+    return w
+
+
+# -----------------------------------------------------------------------------
+# The buffer's two filters, over rollouts (GLM-5 report, agentic RL infrastructure)
 
 
 def staleness(traj, newest):
@@ -219,48 +305,75 @@ def staleness(traj, newest):
 
 
 def staleness_filter(trajs, newest, tau):
-    """Drop a trajectory whose oldest sampled token is more than tau versions older than the newest
-    policy: the policy that sampled it is far from the one being trained, so its importance ratios say
-    little and most of its tokens would be masked anyway. Returns (kept, stats): stats counts the dropped
-    ("stale") and holds the staleness histogram of the trajectories seen, failed ones left out ({versions
-    behind: count}), for the log line."""
-    ages = [staleness(t, newest) for t in trajs]
-    kept = [t for t, age in zip(trajs, ages) if age <= tau]
-    seen = Counter(age for t, age in zip(trajs, ages) if not t.failed)  # a failed one sampled nothing
-    return kept, {"stale": len(trajs) - len(kept), "staleness": dict(sorted(seen.items()))}
+    """Drop a rollout whose oldest sampled token (in any of its records) is more than tau versions older
+    than the newest policy: the policy that sampled it is far from the one being trained, so its importance
+    ratios say little and most of its tokens would be masked anyway. A rollout is kept or dropped whole.
+    Returns (kept records, stats): stats counts the dropped rollouts ("stale") and holds the staleness
+    histogram of the rollouts seen, failed ones left out ({versions behind: count}), for the log line."""
+    keep = set()
+    seen = Counter()
+    stale = 0
+    for idx in rollouts(trajs).values():
+        age = max(staleness(trajs[i], newest) for i in idx)
+        if age <= tau:
+            keep.update(idx)
+        else:
+            stale += 1
+        if not any(trajs[i].failed for i in idx):  # a failed one sampled nothing
+            seen[age] += 1
+    kept = [t for i, t in enumerate(trajs) if i in keep]
+    return kept, {"stale": stale, "staleness": dict(sorted(seen.items()))}
 
 
 def group_filter(trajs, group_size):
-    """The group rule for samples from crashed environments: drop the failed ones; a group with more than
-    half of group_size valid is padded back to group_size by repeating its valid samples in order, so GRPO
-    still compares group_size samples; a group with half or fewer valid is dropped whole.
+    """The group rule for samples from crashed environments, counted in rollouts: drop the failed ones; a
+    group with more than half of group_size valid rollouts is padded back to group_size by repeating its
+    valid rollouts in order (each copy a rollout of its own, under a new rollout_id), so the group still
+    compares group_size samples; a group with half or fewer valid is dropped whole.
 
-    Groups keep the order they first appear in; a group's missing samples (dropped as stale, say) count as
-    invalid. Returns (kept, stats) with the counts "failed", "padded" (copies added) and "dropped_groups".
-    """
-    groups = {}
-    for t in trajs:
-        groups.setdefault(t.group, []).append(t)
+    Groups keep the order they first appear in; a group's missing rollouts (dropped as stale, say) count as
+    invalid. Returns (kept records, stats) with the counts, in rollouts, "failed", "padded" (copies added)
+    and "dropped_groups"."""
     kept = []
     stats = {"failed": 0, "padded": 0, "dropped_groups": 0}
-    for members in groups.values():
-        valid = [t for t in members if not t.failed]
+    for members in group_rollouts(trajs).values():
+        valid = [idx for idx in members if not any(trajs[i].failed for i in idx)]
         stats["failed"] += len(members) - len(valid)
         if 2 * len(valid) <= group_size:
             stats["dropped_groups"] += 1
             continue
+        for idx in valid:
+            kept += [trajs[i] for i in idx]
         pad = max(0, group_size - len(valid))
-        kept += valid + [valid[i % len(valid)] for i in range(pad)]
+        for k in range(pad):
+            idx = valid[k % len(valid)]
+            copy_id = f"{trajs[idx[0]].rollout_id or idx[0]}~pad{k}"
+            kept += [dataclasses.replace(trajs[i], rollout_id=copy_id) for i in idx]
         stats["padded"] += pad
     return kept, stats
 
 
 def filter_buffer(trajs, newest, tau, group_size):
     """The buffer's two filters in order: staleness first, then the group rule on what is left (a stale
-    sample is missing from its group, like a failed one). Returns (kept, stats of both)."""
+    rollout is missing from its group, like a failed one). Returns (kept, stats of both)."""
     fresh, stale_stats = staleness_filter(trajs, newest, tau)
     kept, group_stats = group_filter(fresh, group_size)
     return kept, {**stale_stats, **group_stats}
+
+
+def check_on_policy(trajs, version):
+    """Reasoning RL and distillation are on-policy (GLM-5 report): every sampled token must come from the
+    trainer's current policy version, so that pi_old (the trainer's own logprob before the step) is the
+    policy that sampled the batch and IcePop's k measures only the engines' mismatch. A ValueError names the
+    first record off it and the fix."""
+    for i, t in enumerate(trajs):
+        other = sorted({v for v, m in zip(t.versions, t.mask) if m and v != version})
+        if other:
+            raise ValueError(
+                f"trajectory {i} (rollout {t.rollout_id or i}) holds tokens sampled by policy version "
+                f"{other[0]}, not the trainer's {version}; reasoning RL and distillation are on-policy: "
+                "sample each batch with the current weights (rl_async.py: mode=sync, tau=0, push_every=1)"
+            )
 
 
 # -----------------------------------------------------------------------------
@@ -296,8 +409,10 @@ def build_optimizers(m, lr_muon=2e-3, lr_adamw=3e-4, weight_decay=0.1, ns_dtype=
 
 
 def reset_optimizers(optimizers):
-    """The optional reset after a weight push: forget every moment (Muon's momentum, AdamW's m, v and step
-    count), so the next step starts as a fresh optimizer would; the learning rates stay."""
+    """The reset after each weight push (GLM-5 report, agentic RL: the optimizer is reset after each update
+    of the rollout engines' weights): forget every moment (Muon's momentum, AdamW's m, v and step count), so
+    the next step starts as a fresh optimizer would; the learning rates stay. The moments gathered on
+    samples of the older policy then do not carry into the steps on the new one."""
     for o in optimizers:
         o.state.clear()
 
@@ -338,19 +453,6 @@ def token_logprobs(m, ids, temperature=1.0):
     return logp.gather(-1, ids[:, 1:, None])[..., 0]  # (N, T - 1)
 
 
-def trajectory_advantages(trajs, scale_by_std=True):
-    """group_advantages over the batch's groups (the Trajectory.group of each), whatever their sizes and
-    order. -> (N,) float, one advantage per trajectory."""
-    members = {}
-    for i, t in enumerate(trajs):
-        members.setdefault(t.group, []).append(i)
-    adv = torch.zeros(len(trajs))
-    for idx in members.values():
-        rewards = torch.tensor([[float(trajs[i].reward) for i in idx]])  # (1, n)
-        adv[idx] = group_advantages(rewards, scale_by_std)[0]
-    return adv
-
-
 def teacher_logprobs(teacher, ids, temperature=1.0):
     """token_logprobs under the teacher: one model for every row, or a list of one model per row (each
     task distilled from its own earlier stage), each model run once on its rows. ids (N, T) -> (N, T - 1)."""
@@ -374,23 +476,28 @@ def policy_loss(
     kind="agentic",
     teacher=None,
     temperature=1.0,
-    scale_by_std=True,
+    scale_by_std=None,
     advantages=None,
     shared_prefix=False,
+    n_tokens=None,
+    weights=None,
     **band,
 ):
     """The RL loss of a batch of Trajectory records, from the exact token ids the engine saw:
 
-    kind "agentic":   agentic_loss, group-relative advantages, ratio against the rollout logprobs;
-    kind "reasoning": reasoning_loss (GRPO + IcePop) with pi_old = pi_theta (one optimizer step per batch);
-    kind "distill":   agentic_loss with distill_advantages from the teacher's logprobs of the same ids
-                      (on-policy distillation, group size 1: rewards are not used); teacher is a model or
-                      a list of one model per trajectory (teacher_logprobs).
-    advantages: (N,) to use instead of the batch's own group advantages (a rank's rows of a batch whose
-    groups it does not hold whole). band: the loss's own keywords (eps_low / eps_high, clip_low /
-    clip_high / icepop, n_tokens). shared_prefix: each group's prompt encoded once
-    (shared_prefix.shared_token_logprobs: the same logprobs, about a third of the tokens on the toy run);
-    False: one padded forward over the rows (token_logprobs, the reference). -> (loss, stats)."""
+    kind "agentic":   agentic_loss, advantages r - mean(r) per group, ratio against the rollout logprobs;
+    kind "reasoning": reasoning_loss (Eq. 1: GRPO + IcePop, per-response averaging), advantages normalised
+                      by the group's std, pi_old = the trainer's logprob before the step (on-policy);
+    kind "distill":   reasoning_loss with distill_advantages from the teacher's logprobs of the same ids
+                      (on-policy cross-stage distillation through Eq. 1, group size 1: rewards are not
+                      used); teacher is a model or a list of one model per trajectory (teacher_logprobs).
+    scale_by_std: None takes the kind's (SCALE_BY_STD). advantages: (N,) to use instead of the batch's own
+    group advantages, and weights: (N,) instead of its response_weights (a rank's or a micro-batch's rows of
+    a batch whose groups it does not hold whole); n_tokens: agentic_loss's denominator, likewise. band: the
+    loss's own keywords (eps_low / eps_high; clip_low / clip_high / icepop). shared_prefix: each group's
+    prompt encoded once (shared_prefix.shared_token_logprobs: the same logprobs, about a third of the tokens
+    on the toy run); False: one padded forward over the rows (token_logprobs, the reference).
+    -> (loss, stats)."""
     if kind not in ("agentic", "reasoning", "distill"):
         raise ValueError(f"kind must be 'agentic', 'reasoning' or 'distill', got {kind!r}")
     if kind == "distill" and teacher is None:
@@ -406,14 +513,20 @@ def policy_loss(
     if kind == "distill":
         with torch.no_grad():
             logp_teacher = teacher_logprobs(teacher, ids, temperature)  # (N, T - 1)
-        return agentic_loss(logp, logp_rollout, distill_advantages(logp_teacher, logp), mask, **band)
-    adv = advantages
-    if adv is None:
-        adv = trajectory_advantages(trajs, scale_by_std)
-    adv = adv.to(logp.device)  # (N,)
+        adv = distill_advantages(logp_teacher, logp)  # (N, T - 1)
+    else:
+        adv = advantages
+        if adv is None:
+            if scale_by_std is None:
+                scale_by_std = SCALE_BY_STD[kind]
+            adv = trajectory_advantages(trajs, scale_by_std)
+        adv = adv.to(logp.device)  # (N,)
     if kind == "agentic":
-        return agentic_loss(logp, logp_rollout, adv, mask, **band)
-    return reasoning_loss(logp, logp.detach(), logp_rollout, adv, mask, **band)
+        return agentic_loss(logp, logp_rollout, adv, mask, n_tokens=n_tokens, **band)
+    if weights is None:
+        weights = response_weights(trajs)
+    weights = weights.to(logp.device)
+    return reasoning_loss(logp, logp.detach(), logp_rollout, adv, mask, weights=weights, **band)
 
 
 def micro_batches(lengths, max_tokens):
@@ -442,8 +555,8 @@ def backward_batch(
     m, trajs, kind, teacher, temperature, world=1, rank=0, micro_tokens=0, shared_prefix=False, **band
 ):
     """policy_loss of a batch, backward, by micro-batches (micro_batches: gradient accumulation, exact up to
-    float rounding: every term divides by the whole batch's loss-mask tokens and the group advantages come
-    from the whole batch). Under torchrun every rank holds the whole batch and trains rows rank, rank +
+    float rounding: the group advantages, the agentic loss's token count and Eq. 1's response weights all
+    come from the whole batch). Under torchrun every rank holds the whole batch and trains rows rank, rank +
     world, ...; its loss is scaled by world because FSDP2 averages the gradients over the ranks, so the
     ranks' gradients add up to the one-process gradient. Every rank runs as many micro-batches as the rank
     with the most (FSDP's collectives run per forward and backward); a rank short of rows runs its first
@@ -453,7 +566,10 @@ def backward_batch(
     n_tokens = sum(sum(t.mask) for t in trajs)  # the first token is never sampled (collate checks it)
     adv = None
     if kind != "distill":
-        adv = trajectory_advantages(trajs)  # (N,), from the whole batch's groups
+        adv = trajectory_advantages(trajs, SCALE_BY_STD[kind])  # (N,), from the whole batch's groups
+    weights = None
+    if kind != "agentic":
+        weights = response_weights(trajs)  # (N,), Eq. 1's 1 / (n_groups G |y_i|) over the whole batch
     lengths = [len(t.ids) for t in trajs]
 
     def split(r):  # rank r's micro-batches, as indices into trajs
@@ -484,6 +600,9 @@ def backward_batch(
         part_adv = None
         if adv is not None:
             part_adv = adv[rows]
+        part_weights = None
+        if weights is not None:
+            part_weights = weights[rows]
         loss, stats = policy_loss(
             m,
             [trajs[i] for i in rows],
@@ -491,8 +610,9 @@ def backward_batch(
             part_teacher,
             temperature,
             advantages=part_adv,
-            n_tokens=n_tokens,
             shared_prefix=shared_prefix,
+            n_tokens=n_tokens,
+            weights=part_weights,
             **band,
         )
         (loss * (weight * world)).backward()
@@ -527,18 +647,22 @@ def rl_step(
     rank=0,
     micro_tokens=0,
     shared_prefix=False,
+    version=None,
     **band,
 ):
     """One RL update on a batch of Trajectory records (after filter_buffer): policy_loss and backward by
     micro-batches of at most micro_tokens padded tokens (backward_batch; 0: the batch at once), the global
     gradient norm clipped to grad_clip (0: off), a step of every optimizer. The indexers must be frozen
-    (build_optimizers does it); the router bias is not touched. Under torchrun (world > 1, the model
-    sharded by train.py's FSDP2, parallel.shard_model) every rank calls it with the same whole batch and
-    trains its rows. -> the step's log statistics."""
+    (build_optimizers does it); the router bias is not touched. version: the trainer's policy version; the
+    on-policy kinds (reasoning, distill) then refuse a batch holding a token of any other (check_on_policy).
+    Under torchrun (world > 1, the model sharded by train.py's FSDP2, parallel.shard_model) every rank
+    calls it with the same whole batch and trains its rows. -> the step's log statistics."""
     if any(p.requires_grad for n, p in m.named_parameters() if ".indexer." in n):
         raise ValueError(
             "RL trains with the indexers frozen; build the optimizers with rl.build_optimizers"
         )
+    if kind in ON_POLICY and version is not None:
+        check_on_policy(trajs, version)
     m.train()
     trainable = [p for p in m.parameters() if p.requires_grad]
     stats = backward_batch(
@@ -551,11 +675,12 @@ def rl_step(
     for o in optimizers:
         o.step()
         o.zero_grad(set_to_none=True)
-    rewards = [float(t.reward) for t in trajs]
+    rewards = [float(trajs[idx[0]].reward) for idx in rollouts(trajs).values()]  # one per rollout
     stats.update(
         grad_norm=float(grad_norm),
         reward=sum(rewards) / len(rewards),
         trajectories=len(trajs),
+        rollouts=len(rewards),
     )
     return stats
 
@@ -651,8 +776,17 @@ def demo():
     loss, stats = reasoning_loss(logp_new, logp_new.detach(), logp_rollout, adv, mask)
     print(f"reasoning loss {loss.item():.4f}", rounded(stats))
     teacher = logp_rollout + 0.5
-    loss, stats = agentic_loss(logp_new, logp_rollout, distill_advantages(teacher, logp_new), mask)
+    distill = distill_advantages(teacher, logp_new)  # (N, T), into Eq. 1
+    loss, stats = reasoning_loss(logp_new, logp_new.detach(), logp_rollout, distill, mask)
     print(f"distillation loss {loss.item():.4f}", rounded(stats))
+
+    # a group of 4 whose winner was folded into 3 records: still one member of 4, advantage +1.73
+    folded = [Trajectory(0, [1, 2], [0, 1], [0.0, -1.0], [-1, 0], 1.0, rollout_id="win") for _ in range(3)]
+    losers = [
+        Trajectory(0, [1, 2], [0, 1], [0.0, -1.0], [-1, 0], 0.0, rollout_id=f"lose{i}") for i in range(3)
+    ]
+    adv = trajectory_advantages(folded + losers, SCALE_BY_STD["reasoning"])
+    print("advantages of a folded winner's 3 records and 3 losers:", [round(a, 2) for a in adv.tolist()])
 
     trajs = []
     for i in range(12):

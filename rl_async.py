@@ -21,18 +21,22 @@ The loop, one code path with a `mode` switch:
   group rule drops it.
 - the trainer: wait for groups_per_step finished groups, rl.filter_buffer against its own version (the steps
   taken), rl.rl_step (micro-batches of at most micro_tokens padded tokens), and every push_every steps
-  save_pretrained + POST /update_weights_from_disk to every replica (version = step), with the optional
-  optimizer reset. mode "sync" keeps exactly one batch of groups in flight, so generation and training
-  alternate; mode "async" (the default) keeps up to (1 + ahead) batches, so rollouts go on while the
-  trainer steps, and tau bounds how stale they may be.
-- the stages, by `stage`: "reasoning" (GRPO + IcePop, rl.reasoning_loss, on math), "agentic" (direct
-  double-sided importance sampling, rl.agentic_loss, on tool-using tasks), "general" (the same loss on
-  rule-based rewards: format, length, language) and "distill" (on-policy cross-stage distillation: one
-  rollout per prompt, each token's advantage log pi_teacher - log pi_student, the teacher of each task an
-  earlier stage's checkpoint, given by `teachers`). The report runs reasoning, agentic, general, with a
-  distillation after each so a later stage does not forget an earlier one; here each stage is one run
-  whose init_from is the last one's ckpt.pt (README: the RL stages), and eval_tasks adds the earlier
-  stages' tasks to the held-out evaluation, so forgetting shows in the log.
+  save_pretrained + POST /update_weights_from_disk to every replica (version = step), then the optimizer
+  reset the report does after each push (reset_on_push). mode "sync" keeps exactly one batch of groups
+  in flight, so generation and training alternate; mode "async" (the default) keeps up to (1 + ahead)
+  batches, so rollouts go on while the trainer steps, and tau bounds how stale they may be.
+- the stages, by `stage`, in the report's order (GLM-5 report, post-training): "reasoning" (Eq. 1: GRPO +
+  IcePop, rl.reasoning_loss, on math; entirely on-policy), "agentic" (direct double-sided importance
+  sampling, rl.agentic_loss, on tool-using tasks; asynchronous), "general" (the agentic loss on rule-based
+  rewards: format, length, language; the report does not spell out its objective, so it takes the
+  agentic one and its mean-only advantages), then "distill" as the final stage (on-policy cross-stage
+  distillation: one rollout per prompt, each token's advantage sg[log pi_teacher - log pi_student]
+  through Eq. 1, the teacher of each task the final checkpoint of the stage that trained it, given by
+  `teachers`). Each stage is one run whose init_from is the last one's ckpt.pt (configs/rl_*.py); a
+  distill run after every stage, with the stages so far as teachers, is the option one summary of the
+  report describes. eval_tasks adds the earlier stages' tasks to the held-out evaluation, so forgetting
+  shows in the log. The on-policy stages (reasoning, distill) must run with mode=sync, tau=0 and
+  push_every=1 (check_config says so), and rl.rl_step refuses any token sampled by another version.
 - checkpoints: out_dir/ckpt.pt every ckpt_every steps and at the end, atomically (train.py's
   save_checkpoint): the model, both optimizers, the step, the orchestrator's state (its task-drawing RNG,
   the next seed of every task, the groups submitted and not yet trained) and the settings. --resume=True
@@ -128,7 +132,7 @@ groups_per_step = 4  # groups in one trainer batch
 ahead = 1  # async: keep up to (1 + ahead) * groups_per_step groups in flight or buffered
 tau = 1  # staleness: drop a trajectory sampled more than tau versions before the trainer's current one
 push_every = 1  # K: save and push the weights to every replica every K steps (version = step)
-reset_on_push = False  # the optional optimizer reset after a push
+reset_on_push = True  # reset the optimizers after each push, as the report's agentic RL does (rl.py)
 max_steps = 20  # trainer steps
 lr_muon = 2e-3  # placeholders: GLM-5 does not publish its RL learning rates
 lr_adamw = 3e-4
@@ -230,6 +234,15 @@ def check_config(cfg):
             )
     elif teachers:
         raise SystemExit(f"teachers are for stage distill; this is stage {cfg['stage']}: drop --teachers")
+    if cfg["stage"] in rl.ON_POLICY:
+        need = (("mode", "sync"), ("tau", 0), ("push_every", 1))
+        off = [f"{k}={cfg[k]!r}" for k, want in need if cfg[k] != want]
+        if off:
+            raise SystemExit(
+                f"stage {cfg['stage']} is on-policy (GLM-5 report: every batch sampled by the weights it "
+                f"trains), but {', '.join(off)} would train on older samples: set --mode=sync --tau=0 "
+                "--push_every=1"
+            )
     for key in ("group_size", "groups_per_step", "max_steps", "push_every", "ckpt_every", "task_concurrency"):
         if cfg[key] < 1:
             raise SystemExit(f"{key} must be at least 1, got {cfg[key]}")
@@ -375,8 +388,8 @@ def train(m, tok, urls, cfg, log=print, revive=None, world=1, rank=0):
             if kept:
                 # distill: each trajectory's teacher is its task's
                 tasks = [orch.task_of(t.group) for t in kept]
-                tell(world, "step", kept, tasks)
-                stats = train_step(m, optimizers, kept, tasks, teacher_of_task, cfg, world, rank)
+                tell(world, "step", kept, tasks, version)
+                stats = train_step(m, optimizers, kept, tasks, teacher_of_task, cfg, world, rank, version)
                 version += 1
                 record.update(stats)
             by_task = {}  # the training reward of each task of the mix, this step's valid trajectories
@@ -414,8 +427,9 @@ def train(m, tok, urls, cfg, log=print, revive=None, world=1, rank=0):
     return records
 
 
-def train_step(m, optimizers, kept, tasks, teacher_of_task, cfg, world, rank):
-    """rl.rl_step with this stage's loss; distill gives each trajectory its task's teacher."""
+def train_step(m, optimizers, kept, tasks, teacher_of_task, cfg, world, rank, version):
+    """rl.rl_step with this stage's loss at the trainer's policy version; distill gives each trajectory its
+    task's teacher."""
     teacher = None
     if teacher_of_task is not None:
         teacher = [teacher_of_task[task] for task in tasks]
@@ -431,6 +445,7 @@ def train_step(m, optimizers, kept, tasks, teacher_of_task, cfg, world, rank):
         shared_prefix=cfg["shared_prefix"],
         world=world,
         rank=rank,
+        version=version,
     )
 
 
@@ -456,7 +471,7 @@ def follow(m, optimizers, cfg, teacher_of_task, world, rank):
         dist.broadcast_object_list(box, src=0)
         order = box[0]
         if order[0] == "step":
-            train_step(m, optimizers, order[1], order[2], teacher_of_task, cfg, world, rank)
+            train_step(m, optimizers, order[1], order[2], teacher_of_task, cfg, world, rank, order[3])
         elif order[0] == "push":
             whole_state(m, world)
         elif order[0] == "save":

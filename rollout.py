@@ -11,8 +11,10 @@ per token whether the model produced it (mask True: RL trains on it) or the envi
 
     prompt ids (mask False) | model ids + logprobs (True) | observation ids (False) | model ids (True) | ...
 
-Folding old observations (keep-recent-k) changes the prefix, so a rollout is a list of segments in which
-every model token is trained once.
+The context management of the report's search agents, keep-recent-k (the results of all but the last k = 5
+tool rounds folded to a stub) and discard-all (past a context threshold, every tool round removed), changes
+the prefix, so a rollout is a list of segments in which every model token is trained once; the segments
+share the rollout's id and reward, and rl.py counts them as one group member.
 
 The prompt is GLM-5's chat format (chat.py): the environment's tools in the tool list's system block, tool
 calls in <arg_key>/<arg_value> tags, results in <tool_response> blocks after the model's <|observation|>.
@@ -36,8 +38,7 @@ Honest limits: the policies here are scripted, the task's own solution, or a rep
 (one request at a time, n = 1, no retry: a replica that fails raises, and the rollout with it). A reply
 with no reasoning while thinking is on is sampled as <think></think> but re-rendered by the template as a
 bare </think>, so its segment's ids differ from chat.render(messages) there: the segment keeps what was
-sampled. A folded rollout gives several Trajectory records that share one reward; how a trainer groups
-them is its choice.
+sampled. The discard-all threshold is ours (the report does not publish it): the env's context_threshold.
 """
 
 import sys
@@ -88,10 +89,25 @@ def observation_ids(tok, observations, thinking=True):
     return ids + [special("<|assistant|>"), special("<think>" if thinking else "</think>")]
 
 
+def tool_rounds(messages):
+    """The tool-calling rounds of a conversation: [(i, [j, ...])] for each assistant message i that called
+    tools, with the indices j of the observations that answered it."""
+    out = []
+    for i, m in enumerate(messages):
+        if m["role"] == "assistant" and m.get("tool_calls"):
+            out.append((i, []))
+        elif m["role"] == "observation" and out:
+            out[-1][1].append(i)
+    return out
+
+
 def fold(messages, keep):
-    """Keep-recent-k: all but the last `keep` observations replaced by a one-line stub."""
-    idx = [i for i, m in enumerate(messages) if m["role"] == "observation"]
-    old = set(idx[:-keep] if keep else idx)
+    """Keep-recent-k (GLM-5 report, context management of search agents, k = 5): the tool results of all
+    but the last `keep` rounds replaced by a one-line stub. The calls themselves stay (a few tokens each),
+    so the agent still sees what it asked for; the long results go."""
+    old = set()
+    for _, answers in tool_rounds(messages)[: -keep if keep else None]:
+        old.update(answers)
     return [
         {"role": "observation", "content": f"[folded: {len(m['content'])} characters]"}
         if i in old and not m["content"].startswith("[folded")
@@ -100,13 +116,28 @@ def fold(messages, keep):
     ]
 
 
-def rollout(env, policy, tok, seed=None, thinking=True, keep_recent=None, max_tokens=16384):
-    """Run one episode. policy(prompt ids) -> generated ids, or (ids, logprobs). keep_recent: fold all but the
-    last k observations (default: the env's own, e.g. 3 for search; 0 = never). Returns a dict with
-    messages, tools (the tool list the prompt holds, for chat.render), segments [{"ids", "mask", "logprobs"}],
-    reward, reason, turns and crashed (drop the sample). A Gateway policy keeps the token record itself and is
-    told when folding opens a new segment."""
+def discard_all(messages):
+    """Discard-all (GLM-5 report, context management of search agents; DeepSeek-V3.2 report, section 4):
+    once the context passes a threshold, every tool round so far (the calls and their results) is removed,
+    and the agent goes on from its system prompt and task alone."""
+    gone = set()
+    for i, answers in tool_rounds(messages):
+        gone.add(i)
+        gone.update(answers)
+    return [m for i, m in enumerate(messages) if i not in gone]
+
+
+def rollout(
+    env, policy, tok, seed=None, thinking=True, keep_recent=None, context_threshold=None, max_tokens=16384
+):
+    """Run one episode. policy(prompt ids) -> generated ids, or (ids, logprobs). keep_recent: fold the tool
+    results of all but the last k rounds (default: the env's own, 5 for search; 0 = never). context_threshold:
+    past this many tokens of context, discard every tool round (default: the env's own; 0 = never). Returns
+    a dict with messages, tools (the tool list the prompt holds, for chat.render), segments [{"ids", "mask",
+    "logprobs"}], reward, reason, turns and crashed (drop the sample). A Gateway policy keeps the token record
+    itself and is told when folding or discarding opens a new segment."""
     keep = env.keep_recent if keep_recent is None else keep_recent
+    threshold = env.context_threshold if context_threshold is None else context_threshold
     stop_ids = {tok.encode_chat_token(s) for s in chat.STOP_TOKENS}
     obs_id = tok.encode_chat_token("<|observation|>")
     out = {
@@ -169,7 +200,16 @@ def rollout(env, policy, tok, seed=None, thinking=True, keep_recent=None, max_to
             if len(ids) > max_tokens:
                 out["reason"] = "context full"
                 break
-            folded = fold(messages, keep) if keep else messages
+            folded = messages
+            if keep:
+                folded = fold(messages, keep)
+            env_ids = observation_ids(tok, obs, thinking)
+            if threshold:
+                length = len(ids) + len(env_ids)
+                if folded != messages:
+                    length = len(chat.render(folded, tok, tools=specs, add_generation_prompt=True)[0])
+                if length > threshold:
+                    folded = discard_all(folded)
             if folded != messages:  # the prefix changed: close this segment, start anew
                 out["segments"].append({"ids": ids, "mask": mask, "logprobs": logps})
                 if isinstance(policy, Gateway):
@@ -178,7 +218,6 @@ def rollout(env, policy, tok, seed=None, thinking=True, keep_recent=None, max_to
                 ids = chat.render(messages, tok, tools=specs, add_generation_prompt=True)[0]
                 mask, logps = [False] * len(ids), [0.0] * len(ids)
             else:
-                env_ids = observation_ids(tok, obs, thinking)
                 ids, mask, logps = ids + env_ids, mask + [False] * len(env_ids), logps + [0.0] * len(env_ids)
     finally:
         env.close()
@@ -350,7 +389,8 @@ class Trajectory:
 
 def trajectories(gateway, episode, group):
     """The gateway's record of one rollout() episode as Trajectory records for the trainer, one
-    per segment (a folded episode has several; they share its reward). The episode's own ids must equal the
+    per segment (a folded episode has several; they share its rollout_id and reward, and the trainer counts
+    them as one rollout). The episode's own ids must equal the
     record's: the agent loop and the gateway agree on every token, or TITOMismatch."""
     if [s["ids"] for s in episode["segments"]] != [s["ids"] for s in gateway.segments]:
         raise TITOMismatch(f"rollout {gateway.rollout_id}: the episode's token ids differ from the record")

@@ -50,11 +50,36 @@ def test_equal_logprobs_are_on_policy_reinforce():
     assert stats["masked_frac"] == 0.0 and stats["abs_r_minus_1"] == 0.0
     assert stats["tokens"] == int(mask.sum())
 
-    # GRPO + IcePop with pi_theta = pi_old = pi_rollout: the same gradient (its value is -E[A] instead)
+    # GRPO + IcePop with pi_theta = pi_old = pi_rollout: REINFORCE averaged per response (Eq. 1's
+    # 1/G sum_i 1/|y_i| sum_t; its value is -E[A] instead)
     loss, stats = rl.reasoning_loss(logp, logp.detach(), logp.detach(), adv, mask)
-    (grad,) = torch.autograd.grad(loss, logits)
+    (grad,) = torch.autograd.grad(loss, logits, retain_graph=True)
+    per_response = -((adv[:, None] * logp * mask).sum(dim=1) / mask.sum(dim=1)).mean()
+    (grad_ref,) = torch.autograd.grad(per_response, logits)
     torch.testing.assert_close(grad, grad_ref, rtol=1e-12, atol=1e-12)
     assert stats["masked_frac"] == 0.0 and stats["clip_frac"] == 0.0
+
+
+def test_eq1_gives_a_2_token_response_the_weight_of_a_200_token_one():
+    """The report's Eq. 1 averages per response, then over the group: each response's tokens share one
+    response's weight, so the gradient on the sum of a response's logprobs is A_i / G whatever its length
+    (a token-level mean would give the 200-token response 100 times the 2-token one's)."""
+    T = 201
+    logp = torch.full((2, T), -1.0, dtype=torch.float64, requires_grad=True)
+    mask = torch.zeros(2, T, dtype=torch.bool)
+    mask[0, 1:3] = True  # 2 sampled tokens
+    mask[1, 1:201] = True  # 200 sampled tokens
+    adv = torch.tensor([1.0, -1.0], dtype=torch.float64)
+    loss, _ = rl.reasoning_loss(logp, logp.detach(), logp.detach(), adv, mask)
+    loss.backward()
+    per_response = (logp.grad * mask).sum(dim=1)  # (2,)
+    torch.testing.assert_close(per_response, -adv / 2, rtol=1e-12, atol=0)
+    # through the trainer's weights too (response_weights: 1 / (n_groups G |y_i|)), one group of two
+    short = Trajectory("g", [1] * 3, [0, 1, 1], [0.0] * 3, [-1, 0, 0], 1.0, rollout_id="short")
+    long_ = Trajectory("g", [1] * 201, [0] + [1] * 200, [0.0] * 201, [-1] + [0] * 200, 0.0)
+    long_.rollout_id = "long"
+    w = rl.response_weights([short, long_])
+    torch.testing.assert_close(w, torch.tensor([1 / (2 * 2), 1 / (2 * 200)], dtype=torch.float64))
 
 
 def test_trust_band_zero_gradient_outside_r_times_a_inside():
@@ -197,8 +222,49 @@ def test_group_rule_pads_or_drops_with_counts():
     assert [t.group for t in kept] == ["a"] * 4 + ["b"] * 4 + ["d"] * 4
     assert not any(t.failed for t in kept)
     assert kept[:4] == a
-    assert kept[4:8] == [b[0], b[2], b[3], b[0]]  # the valid ones, then repeats from the first
-    assert kept[8:] == [d[0], d[1], d[2], d[0]]
+    assert kept[4:7] == [b[0], b[2], b[3]] and kept[8:11] == d  # the valid ones, then a repeat of the first
+    for copy, original in ((kept[7], b[0]), (kept[11], d[0])):  # the same record as a rollout of its own
+        assert copy.ids == original.ids and copy.reward == original.reward and copy.rollout_id != ""
+    assert len(rl.rollouts(kept)) == 12  # twelve group members, copies included
+
+
+def folded(group, rid, reward, segments=3, version=0, failed=False):
+    """One rollout folded into `segments` records (rollout.py's keep-recent-k), sharing its id and reward."""
+    return [
+        Trajectory(
+            group, [5, 6, 7], [0, 1, 1], [0.0, -0.5, -0.1], [-1, version, version], reward, failed, rid
+        )
+        for _ in range(segments)
+    ]
+
+
+def test_a_folded_rollout_is_one_group_member():
+    # rewards [1, 0, 0, 0], the winner folded into 3 records: its advantage is the unfolded rollout's
+    for scale in (True, False):
+        unfolded = [folded("g", f"r{i}", r, segments=1) for i, r in enumerate([1.0, 0.0, 0.0, 0.0])]
+        want = rl.trajectory_advantages([t for ts in unfolded for t in ts], scale)  # (4,)
+        batch = folded("g", "r0", 1.0, segments=3) + [t for ts in unfolded[1:] for t in ts]
+        got = rl.trajectory_advantages(batch, scale)  # (6,): three records of r0, then r1..r3
+        torch.testing.assert_close(got, torch.cat([want[:1].repeat(3), want[1:]]))
+    assert abs(got[0] - 0.75) < 1e-6 and abs(want[0] - 0.75) < 1e-6  # r - mean, mean-only
+    assert abs(rl.trajectory_advantages(batch, True)[0] - 3**0.5) < 1e-4  # +1.73 normalised, not +-1
+    # group repair counts rollouts: a group of 4 with 2 valid rollouts in 2 records each is dropped
+    g = folded("h", "a", 1.0, 2) + folded("h", "b", 0.0, 2) + folded("h", "c", 0.0, 1, failed=True)
+    kept, stats = rl.group_filter(g, group_size=4)
+    assert kept == [] and stats == {"failed": 1, "padded": 0, "dropped_groups": 1}
+    # 3 valid of 4 (one folded): kept, padded by one whole rollout (both records of "a")
+    g = folded("h", "a", 1.0, 2) + folded("h", "b", 0.0, 1) + folded("h", "c", 0.0, 1)
+    kept, stats = rl.group_filter(g, group_size=4)
+    assert stats["padded"] == 1 and len(kept) == 6 and len(rl.rollouts(kept)) == 4
+    # staleness: a rollout with one stale record is dropped whole, not trained in part
+    g = folded("s", "old", 1.0, 1, version=0) + folded("s", "old", 1.0, 1, version=5)
+    g += folded("s", "new", 0.0, 2, version=5)
+    kept, stats = rl.staleness_filter(g, newest=6, tau=3)
+    assert [t.rollout_id for t in kept] == ["new", "new"] and stats["stale"] == 1
+    assert stats["staleness"] == {1: 1, 6: 1}  # one verdict per rollout: its oldest token's age
+    # a rollout's records must agree on the reward
+    with pytest.raises(ValueError, match="different groups or rewards"):
+        rl.trajectory_advantages(folded("g", "x", 1.0, 1) + folded("g", "x", 0.0, 1))
 
 
 def test_staleness_filter_and_the_buffer_order():
@@ -333,15 +399,31 @@ def reinforce_loss(m, trajs, adv):
     return -total / sum(sum(t.mask) for t in trajs)
 
 
+def reinforce_per_response(m, trajs, adv):
+    """Eq. 1 on-policy by hand: -1/n_groups sum_g 1/G sum_i A_i / |y_i| sum_t mask * log pi, each
+    trajectory (one rollout) through the model alone, unpadded."""
+    groups = {}
+    for a, t in zip(adv, trajs):
+        logp = rl.token_logprobs(m, torch.tensor([t.ids]))[0]  # (T - 1,)
+        mask = torch.tensor(t.mask[1:], dtype=logp.dtype)
+        groups.setdefault(t.group, []).append(a * (logp * mask).sum() / mask.sum())
+    return -sum(sum(terms) / len(terms) for terms in groups.values()) / len(groups)
+
+
 def test_trainer_step_is_on_policy_reinforce():
     import copy
 
     m = tiny_policy(0)
     trajs = on_policy_batch(m, 0)
-    adv = rl.trajectory_advantages(trajs).double()
+    # the agentic objective's advantages: r - mean(r) of the group, no std division; they sum to zero
+    adv = rl.trajectory_advantages(trajs, scale_by_std=False).double()
     torch.testing.assert_close(
         adv.view(2, 3).sum(dim=1), torch.zeros(2, dtype=torch.float64), atol=1e-6, rtol=0
     )
+    rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float64).view(2, 3)
+    torch.testing.assert_close(adv.view(2, 3), rewards - rewards.mean(dim=1, keepdim=True), rtol=0, atol=1e-6)
+    std_adv = rl.trajectory_advantages(trajs, scale_by_std=True).double()
+    assert (std_adv - adv).abs().max() > 0.1  # the two differ on this batch: the test can tell them apart
 
     a = rl.freeze_for_rl(copy.deepcopy(m))
     loss, stats = rl.policy_loss(a, trajs)
@@ -372,12 +454,15 @@ def test_trainer_step_is_on_policy_reinforce():
     assert stats["grad_norm"] > 0.5, "the clip should have had something to do"
     assert any(not torch.equal(p, q) for p, q in zip(m.parameters(), c.parameters()))
 
-    # GRPO + IcePop on the same on-policy batch: the same gradient
+    # GRPO + IcePop on the same on-policy batch: Eq. 1, std-normalised advantages averaged per response
     d = copy.deepcopy(m)
     rl.freeze_for_rl(d)
     loss, stats = rl.policy_loss(d, trajs, kind="reasoning")
     loss.backward()
     assert stats["masked_frac"] == 0.0 and stats["clip_frac"] == 0.0
+    e = rl.freeze_for_rl(copy.deepcopy(m))
+    reinforce_per_response(e, trajs, std_adv).backward()
+    want = grads(e)
     for n, g in grads(d).items():
         if want[n] is not None:
             torch.testing.assert_close(g, want[n], rtol=1e-8, atol=1e-12, msg=n)
@@ -475,7 +560,7 @@ def test_distillation_step_and_the_kinds():
     with torch.no_grad():
         adv = rl.token_logprobs(teacher, ids) - logp
     mask = mask[:, 1:]
-    ref = -(adv * logp * mask).sum() / mask.sum()
+    ref = -((adv * logp * mask).sum(dim=1) / mask.sum(dim=1)).mean()  # Eq. 1, group size 1: per response
     ref.backward()
     assert stats["masked_frac"] == 0.0
     for (n, p), q in zip(m.named_parameters(), ref_model.parameters()):
@@ -491,6 +576,51 @@ def test_distillation_step_and_the_kinds():
     bad = Trajectory(0, [1, 2, 3], [0, 1], [0.0, -1.0, 0.0], [-1, 0, -1])
     with pytest.raises(ValueError, match="one of each"):
         rl.collate([bad])
+
+
+def test_distillation_goes_through_the_icepop_band_and_on_policy_stages_refuse_stale_samples():
+    """Distillation substitutes its advantage into Eq. 1: a token whose trainer/engine ratio k is 1.5 (inside
+    IcePop's [1/2, 2], outside the agentic band's 1.28) keeps its gradient, k * A; one at k = 3 gets none."""
+    m = rl.freeze_for_rl(tiny_policy(4))
+    teacher = tiny_policy(5)
+    trajs = on_policy_batch(m, 5)
+    for t in trajs:  # the engine's logprobs: k = 1.5 on even positions, 3 on odd ones
+        shifted = []
+        for i, (lp, sampled) in enumerate(zip(t.logprobs, t.mask)):
+            k = 1.5 if i % 2 == 0 else 3.0
+            shifted.append(lp - math.log(k) if sampled else 0.0)
+        t.logprobs = shifted
+    ids, mask, logp_rollout = rl.collate(trajs)
+    logp = rl.token_logprobs(m, ids)  # (N, T - 1)
+    x = logp.detach().clone().requires_grad_()
+    with torch.no_grad():
+        adv = rl.token_logprobs(teacher, ids) - logp
+    mask, logp_rollout = mask[:, 1:], logp_rollout[:, 1:]
+    weights = rl.response_weights(trajs)  # (N,)
+    loss, stats = rl.reasoning_loss(x, x.detach(), logp_rollout, adv, mask, weights=weights)
+    loss.backward()
+    k = torch.exp(logp.detach() - logp_rollout)
+    even = mask & (torch.arange(1, mask.shape[1] + 1) % 2 == 0)  # token t + 1 at column t
+    odd = mask & ~even
+    assert even.any() and odd.any()
+    assert torch.equal(x.grad[odd], torch.zeros_like(x.grad[odd]))  # k = 3: masked
+    w = weights[:, None].expand_as(k)
+    torch.testing.assert_close(x.grad[even], -(k * adv * w)[even], rtol=1e-9, atol=0)  # k = 1.5: kept
+    # and policy_loss's distill kind is exactly that loss
+    got, got_stats = rl.policy_loss(m, trajs, kind="distill", teacher=teacher)
+    torch.testing.assert_close(got, loss, rtol=1e-10, atol=1e-12)
+    assert got_stats["masked_frac"] == stats["masked_frac"] > 0.3
+
+    # the on-policy kinds refuse a batch holding a token of another version than the trainer's
+    optimizers = rl.build_optimizers(m)
+    batch = on_policy_batch(m, 6)  # every sampled token by version 0
+    before = {n: p.clone() for n, p in m.named_parameters()}
+    for kind in ("reasoning", "distill"):
+        with pytest.raises(ValueError, match="sampled by policy version 0, not the trainer's 1.*on-policy"):
+            rl.rl_step(m, optimizers, batch, kind, teacher=teacher, version=1)
+    assert all(torch.equal(p, before[n]) for n, p in m.named_parameters())  # refused before any change
+    rl.rl_step(m, optimizers, batch, "reasoning", version=0)  # the current version: trained
+    rl.rl_step(m, optimizers, batch, "agentic", version=1)  # the agentic loss takes stale samples
 
 
 def test_per_trajectory_teachers_score_each_row_with_its_own():

@@ -180,6 +180,34 @@ def test_async_with_staleness_0_reproduces_the_sync_step(loop, monkeypatch):
     assert not all(torch.equal(start[k], b[k]) for k in b)  # and the step moved the weights
 
 
+def test_async_drops_stale_rollouts_and_trains_only_fresh_ones(loop, monkeypatch):
+    """Async with tau 0: the groups sampled on version 0 while the trainer took its first step are one
+    version behind at the second, so they are dropped, counted in rollouts; every batch that is trained
+    holds only tokens of the trainer's own version. The first step waits a second, so that the in-flight
+    groups finish on the old weights whatever the machine's speed."""
+    make, settings = loop
+    trained = []
+    real = rl.rl_step
+
+    def slow_first_step(m, optimizers, trajs, *args, **kw):
+        if not trained:
+            time.sleep(1.0)
+        trained.append((kw["version"], [v for t in trajs for v, s in zip(t.versions, t.mask) if s]))
+        return real(m, optimizers, trajs, *args, **kw)
+
+    monkeypatch.setattr(rl, "rl_step", slow_first_step)
+    resets = []
+    real_reset = rl.reset_optimizers
+    monkeypatch.setattr(rl, "reset_optimizers", lambda o: (resets.append(1), real_reset(o)))
+    urls, servers, m = make(1)
+    cfg = settings | dict(mode="async", tau=0, ahead=2, max_steps=3)
+    records = rl_async.train(m, m_tok(servers), urls, cfg, log=lambda s: None)
+    assert records[1]["stale"] == 4 and not records[1]["trained"]  # both groups of 2 rollouts, dropped
+    assert records[1]["staleness"] == {"1": 4}
+    assert trained and all(set(versions) == {v} for v, versions in trained)  # only fresh tokens trained
+    assert len(resets) == sum(r["trained"] for r in records)  # the optimizer reset after every push
+
+
 def test_a_killed_replica_is_routed_around(loop, monkeypatch):
     make, settings = loop
     urls, servers, m = make(2)
@@ -318,7 +346,7 @@ def test_the_distill_stage_runs_with_a_teacher_per_task(loop, tmp_path):
     teacher_dir = str(tmp_path / "teacher")
     teacher = randomize(model.GLM5(m.config), seed=9)
     weights.save_pretrained(teacher, teacher_dir)
-    cfg = settings | dict(mode="sync", stage="distill", group_size=1, teachers=f"coin:0={teacher_dir}")
+    cfg = settings | dict(mode="sync", tau=0, stage="distill", group_size=1, teachers=f"coin:0={teacher_dir}")
     records = rl_async.train(m, m_tok(servers), urls, cfg, log=lambda s: None)
     assert all(r["trained"] and r["stage"] == "distill" and r["trajectories"] == 2 for r in records)
     assert all(math.isfinite(r["loss"]) for r in records)
@@ -328,19 +356,28 @@ def test_stage_settings_are_checked():
     def resolve(*args):
         return rl_async.resolve_config(list(args))
 
-    assert resolve("--stage=reasoning")["stage"] == "reasoning"
+    on_policy = ("--mode=sync", "--tau=0")
+    assert resolve("--stage=reasoning", *on_policy)["stage"] == "reasoning"
+    # the on-policy stages refuse what would train on older samples, naming the settings and the fix
+    for bad in ((), ("--mode=sync",), ("--tau=0",), (*on_policy, "--push_every=2", "--tau=1")):
+        with pytest.raises(SystemExit, match="stage reasoning is on-policy.*--mode=sync --tau=0"):
+            resolve("--stage=reasoning", *bad)
+    with pytest.raises(SystemExit, match="stage distill is on-policy"):
+        resolve("--stage=distill", "--group_size=1", "--teachers=math:0=x")
     with pytest.raises(SystemExit, match="stage must be"):
         resolve("--stage=ppo")
     with pytest.raises(SystemExit, match="group_size=1"):
-        resolve("--stage=distill", "--teachers=math:0=x")
+        resolve("--stage=distill", *on_policy, "--teachers=math:0=x")
     with pytest.raises(SystemExit, match="teacher for every task"):
-        resolve("--stage=distill", "--group_size=1", "--tasks=math:0:1,search:0:1", "--teachers=math:0=x")
+        two_tasks = ("--tasks=math:0:1,search:0:1", "--teachers=math:0=x")
+        resolve("--stage=distill", *on_policy, "--group_size=1", *two_tasks)
     with pytest.raises(SystemExit, match="teachers are for stage distill"):
         resolve("--teachers=math:0=x")
     with pytest.raises(SystemExit, match="eval task"):
         resolve("--eval_tasks=math")
-    cfg = resolve("--stage=distill", "--group_size=1", "--teachers=math:0=out_a/ckpt.pt")
+    cfg = resolve("--stage=distill", *on_policy, "--group_size=1", "--teachers=math:0=out_a/ckpt.pt")
     assert rl_async.parse_teachers(cfg["teachers"]) == {"math:0": "out_a/ckpt.pt"}
+    assert rl_async.LOOP_DEFAULTS["reset_on_push"] is True  # the report resets after each push
 
 
 def test_the_toy_recipe_makes_the_toy_policy():
@@ -448,7 +485,7 @@ def test_distillation_gives_each_trajectory_its_own_tasks_teacher(loop, monkeypa
         return real(m, optimizers, trajs, kind, teacher=teacher, **kw)
 
     monkeypatch.setattr(rl, "rl_step", spy)
-    cfg = settings | dict(mode="sync", stage="distill", group_size=1, groups_per_step=6, max_steps=1)
+    cfg = settings | dict(mode="sync", tau=0, stage="distill", group_size=1, groups_per_step=6, max_steps=1)
     cfg |= dict(tasks="coin:0:1,othercoin:0:1", teachers="coin:0=a,othercoin:0=b")
     rl_async.train(m, m_tok(servers), urls, cfg, log=lambda s: None)
     ((kind, trajs, given),) = seen
