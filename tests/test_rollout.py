@@ -106,6 +106,31 @@ def test_rollout_folds_old_observations_into_segments(tok):
     )
 
 
+def test_keep_recent_counts_tool_rounds_and_discard_all_restarts_the_context(tok):
+    """Keep-recent-k keeps the results of the last k tool rounds (a round: one assistant turn's calls and
+    all their results), not the last k result messages; discard-all past a threshold removes every round."""
+    call = {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": {}}}]}
+    msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+    for r in range(3):  # three rounds of two results each
+        msgs.append(call)
+        msgs += [{"role": "observation", "content": f"{x}{r}"} for x in "ab"]
+    kept = rollout.fold(msgs, 2)
+    contents = [m["content"] for m in kept if m["role"] == "observation"]
+    assert contents == ["[folded: 2 characters]"] * 2 + ["a1", "b1", "a2", "b2"]
+    assert rollout.discard_all(msgs) == msgs[:2]
+    # in the agent loop: past the threshold every round goes, the agent goes on from its task, the oracle
+    # still solves it, and each later segment opens with the bare task (no tool result in its context)
+    env = SearchEnv(3)
+    policy = rollout.oracle_policy(env, tok)
+    r = rollout.rollout(env, policy, tok, seed=2, keep_recent=0, context_threshold=300)
+    assert r["reward"] == 1.0 and len(r["segments"]) > 1
+    task = chat.render(r["messages"][:2], tok, tools=r["tools"], add_generation_prompt=True)[0]
+    for s in r["segments"][1:]:
+        first = s["mask"].index(True)
+        assert s["ids"][:first] == task
+    assert not any(m["role"] == "observation" for m in r["messages"][:-2])  # at most the last round left
+
+
 def test_rollout_endings(tok):
     eot, obs_id = tok.encode_chat_token("<|endoftext|>"), tok.encode_chat_token("<|observation|>")
     r = rollout.rollout(MathEnv(), lambda ids: tok.encode_ordinary("no stop token"), tok, seed=0)
