@@ -676,11 +676,13 @@ def rl_step(
         o.step()
         o.zero_grad(set_to_none=True)
     rewards = [float(trajs[idx[0]].reward) for idx in rollouts(trajs).values()]  # one per rollout
+    groups = [[float(trajs[idx[0]].reward) for idx in g] for g in group_rollouts(trajs).values()]
     stats.update(
         grad_norm=float(grad_norm),
         reward=sum(rewards) / len(rewards),
         trajectories=len(trajs),
         rollouts=len(rewards),
+        mixed_groups=sum(len(set(g)) > 1 for g in groups) / len(groups),  # the groups GRPO learns from
     )
     return stats
 

@@ -556,7 +556,8 @@ def mean(xs):
 
 def log_line(r, log):
     line = (
-        f"step {r['step']}: reward {r['reward']:.3f}, masked {r.get('masked_frac', 0.0):.3f}, "
+        f"step {r['step']}: reward {r['reward']:.3f}, mixed groups {r.get('mixed_groups', 0.0):.2f}, "
+        f"masked {r.get('masked_frac', 0.0):.3f}, "
         f"|r-1| {r.get('abs_r_minus_1', 0.0):.4f}, staleness {r['staleness']}, dropped "
         f"{r['stale']} stale + {r['failed']} failed + {r['dropped_groups']} groups, padded {r['padded']}, "
         f"{r['traj_per_s']:.2f} traj/s, idle {r['idle_frac']:.0%}"
