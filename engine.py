@@ -13,6 +13,8 @@ What it implements:
   shared across 3 steps, accept length 2.76 with 4 drafted tokens; DeepSeek-V3 report, section 2.2 on
   MTP): the block drafts N tokens, one forward of the main model verifies them all, and
   sampling.accept_drafts keeps a prefix of them, so the output is distributed exactly as without drafts.
+  The block reads the main stack's output after model.norm and carries its own output after
+  shared_head.norm from one draft to the next, the contract of the released weights (model.MTPBlock).
 - Weight updates for RL rollouts (the GLM-5 report's asynchronous agentic RL infrastructure: rollout engines
   serve while the trainer pushes new weights; SGLang's update_weights_from_disk; AReaL's interruptible
   rollouts, Fu et al. 2025): update_weights() reads a save_pretrained directory on the side, then between
