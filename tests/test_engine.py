@@ -548,7 +548,7 @@ def test_mtp_drafts_follow_the_released_weights_contract(ckpt, one_thread):
     sampled token as its next token; and the hidden it carries to the next draft is the block's output after
     shared_head.norm, the tensor lm_head reads (lm_head(h_mtp) is the draft's logits). The norm weights are
     random, so a pre-norm hidden in either place misses by far more than the bound."""
-    from test_reference import reference
+    from reference import forward as reference
 
     m = engine.load_model(ckpt[0])
     W = {k: v.detach().clone() for k, v in weights.checkpoint_tensors(m.state_dict(), 3).items()}
