@@ -157,9 +157,11 @@ def train_loop(name, m, opts, batches, steps, log_every=100):
 # - reference: an attention-only transformer (2 layers by default, learned positions, d 128, 4 heads, AdamW
 #   1e-3) on the same rows, the textbook setting in which induction heads form (--reference_positions=rope:
 #   with RoPE on its queries and keys instead, as GLM-5 has). Its vocabulary is the toy's (4,096), so both
-#   models spread their first guesses over the same ids. The ids are drawn from the whole vocabulary by
-#   default. Drawing them from fewer (--ids=512) makes the task harder, not easier: the ids never seen must
-#   first be pushed down, and induction forms later (docs/design-notes.md has the steps).
+#   models spread their first guesses over the same ids.
+#
+# The ids are drawn from the whole vocabulary by default. Drawing them from fewer (--ids=512) makes the task
+# harder, not easier: the ids never seen must first be pushed down, and induction forms later
+# (docs/design-notes.md has the steps).
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[1])
     ap.add_argument("--runs", default="fixed,rows,reference", help="any of fixed, rows, reference")

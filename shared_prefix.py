@@ -68,9 +68,11 @@ def prefix_units(rows, groups):
 #   keys and returns them;
 # - the suffix pass (one row per sample, positions P..) returns, per row, its group's P prefix keys followed
 #   by its own, gathered out of place (index_select: a copy per row, kept for backward) so that autograd sees
-#   one graph. MLA then attends exactly as over a decode cache (query at position p sees keys 0..p), and DSA's
-#   indexer selects among the same keys at the same positions as in the sample's own forward. Every
-#   micro-batch is these two forwards, whatever it holds, so ranks under FSDP2 run the same collectives.
+#   one graph.
+#
+# MLA then attends exactly as over a decode cache (query at position p sees keys 0..p), and DSA's indexer
+# selects among the same keys at the same positions as in the sample's own forward. Every micro-batch is these
+# two forwards, whatever it holds, so ranks under FSDP2 run the same collectives.
 
 
 class PrefixCache:

@@ -110,10 +110,11 @@ copy_probe_len = 64  # at each evaluation, the copy probe on random sequences of
 #   indexer learns only from the KL and the rest only from the LM loss.
 # - "sft": dsa_mode "sparse" with the indexer KL, as dsa_sparse (GLM-5 post-trains the sparse model), on
 #   sft_data.py's conversations: the loss counts only the assistant's own tokens (its thinking, answers, tool
-#   calls, end of turn); rows are packed conversations. The pipeline is pretrain -> dsa_warmup -> dsa_sparse
-#   -> sft, each stage --init_from the one before (model weights only). A later stage without --init_from, or
-#   an out_dir holding another stage's checkpoint, stops with one sentence (--from_scratch=True and
-#   --overwrite=True allow them).
+#   calls, end of turn); rows are packed conversations.
+#
+# The pipeline is pretrain -> dsa_warmup -> dsa_sparse -> sft, each stage --init_from the one before (model
+# weights only). A later stage without --init_from, or an out_dir holding another stage's checkpoint, stops
+# with one sentence (--from_scratch=True and --overwrite=True allow them).
 STAGES = ("pretrain", "dsa_warmup", "dsa_sparse", "sft")  # in pipeline order
 STAGE_DIRS = {"pretrain": "out", "dsa_warmup": "out_warmup", "dsa_sparse": "out_sparse", "sft": "out_sft"}
 DEFAULTS = {
