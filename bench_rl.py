@@ -20,9 +20,10 @@ last, graded turn (a trained checkpoint's tool calls run as they are). The long 
 latency, not model time: on a 2-core CPU replicas and trainer share the cores, so only overlapping the waits
 gains, and async's trainer steps slower than sync's, sharing cores and interpreter with the replicas and the
 rollout threads; with compute-bound rollouts on a GPU cluster the ratio depends on how devices are split,
-which this machine cannot show. The policy barely moves in a few steps, so staleness costs little here (in a
-real run it costs more: that is why tau exists). Short runs: the first step fills the pipeline (the headline
-is over steps 2 to N); timings on a shared machine are noisy (the load is printed first).
+which this machine cannot show. The policy barely moves in a few steps, so staleness costs little here
+(|r - 1| stays small; in a real run it costs more: that is why tau exists). Short runs: the first step fills
+the pipeline (the headline is over steps 2 to N, the all-steps figures beside it); timings on a shared
+machine are noisy (the load is printed first).
 """
 
 import argparse
@@ -118,6 +119,11 @@ class LongTailSearch(envs.Env):
 
 # -----------------------------------------------------------------------------
 # The bench's gateways: a turn cut at max_tokens is closed, every request's usage is tallied
+#
+# An untrained model never ends a turn by itself (a stop token is 3 ids of 4,096) nor writes tool calls. So
+# the bench's gateway ends a reply cut at max_tokens with an <|endoftext|> it records as template glue (loss
+# mask 0, like an observation token; the TITO record stays exact), and the wrapper environment reads a reply
+# without tool calls as a query for the search tool until the last turn, which is graded.
 
 
 class Tally:

@@ -4,7 +4,9 @@ INT8 activations, INT8 attention and dense MLPs, a few sensitive matrices kept i
 rotation that removes activation outliers first). As gpt-fast does it: read a checkpoint, write a quantized
 one whose config.json says the scheme; quantized.py is the runtime that loads and runs it. The checkpoint is
 written by hand in the compressed-tensors layout (the one vLLM, SGLang and transformers read) and the
-rotation is QuaRot's (arXiv 2404.00456); both are explained at their sections below.
+rotation is QuaRot's (arXiv 2404.00456); both are explained at their sections below, the QuaRot section
+also saying where in MLA / DSA / MoE / MTP the rotation cannot be fused, and why the MTP block gets its own
+head.
 
     python quantize.py --ckpt out_sparse/ckpt.pt --out /tmp/q/w4a8 --rotate          # the report's scheme
     python quantize.py --ckpt out_sparse/ckpt.pt --out /tmp/q/w4a8g --group_size 32  # group-wise INT4

@@ -310,7 +310,7 @@ class Handler(BaseHTTPRequestHandler):
                 r.aborted = True
 
     def update_weights(self, body):
-        """Load a new policy version (see the docstring: SGLang's route and field names). This thread
+        """Load a new policy version (see the handler's comment: SGLang's route and field names). This thread
         reads the tensors; the engine swaps them in between two of its steps."""
         for name in sorted(set(body) - {"model_path", "weight_version"}):
             message = f"unknown field '{name}' ({WEIGHTS_ROUTE} takes model_path and weight_version)"

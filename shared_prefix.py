@@ -76,7 +76,7 @@ def prefix_units(rows, groups):
 
 
 class PrefixCache:
-    """model.KVCache's write API over the prefixes of a batch (see the module docstring).
+    """model.KVCache's write API over the prefixes of a batch (see the comment above).
     The prefix pass runs one row per unit, (U, Pmax) right-padded, and the cache keeps each layer's latents
     and index keys. The suffix pass runs one row per sample, starting at its unit's P; each row's keys are
     its unit's P prefix keys, then its own, then zeros (beyond the row's last position: never visible),
