@@ -5,31 +5,16 @@ Most toy agent tasks need the model to copy a word from its context that it neve
 the number in a tool result, the file to `cat`). A transformer does this with an induction head (Olsson et
 al. 2022, "In-context learning and induction heads"): find the earlier occurrence of the current token and
 predict what followed it. This script trains models from scratch on synthetic copy data and prints the
-loss on the repeats, where chance is ln(ids):
+loss on the repeats, where chance is ln(ids). Three runs, described at main(): fixed (the toy GLM-5 on one
+copy distance, tested at others), rows (the toy on train.py's copy rows, whose period varies) and reference
+(an attention-only transformer on the same rows, the textbook setting in which induction heads form).
 
-    python bench_copy.py                        # all three runs below, about 25 min on one CPU thread
+    python bench_copy.py                        # all three runs
     python bench_copy.py --runs=fixed           # one of them: fixed, rows, reference
     python bench_copy.py --runs=rows --dense_layers=2 --optimizer=adamw   # the reference's depth and rate
     python bench_copy.py --runs=reference --reference_layers=4            # the toy's depth
 
-- fixed: the toy GLM-5 (configs/toy.py, dense attention, train.py's Muon + AdamW) on `span` random ids
-  followed by the same ids, then tested on copies at other distances. A model that learnt "attend `span`
-  positions back" solves the training copy and fails the others (its loss goes past chance).
-- rows: the toy GLM-5 on train.py's copy rows (copy_probe.copy_rows: a span of 8 to `span` ids, repeated to
-  2 * `span` tokens). The period varies, so only the content tells where to copy from.
-- reference: an attention-only transformer (2 layers by default, learned positions, d 128, 4 heads, AdamW
-  1e-3) on the same rows, the textbook setting in which induction heads form (--reference_positions=rope:
-  with RoPE on its queries and keys instead, as GLM-5 has). Its vocabulary is the toy's (4,096), so both
-  models spread their first guesses over the same ids.
-
-The ids are drawn from the whole vocabulary by default. Drawing them from fewer (--ids=512) makes the task
-harder, not easier: the ids never seen must first be pushed down, and induction forms later (a RoPE
-reference on 512 ids forms it at step 600 with 512 outputs, at 900 with 4,096; the toy's block later still).
-
-What it found (the README's RL section has the figures): with AdamW, the toy's block cut to two layers
-forms induction about when the reference does. The toy itself, at train.py's Muon rate 0.02, does not
-within 3,000 steps (nor in 1,500 with AdamW), where a four-layer reference forms it by step 1,100. At a
-quarter of that Muon rate (--lr_muon=0.005) the toy, unchanged, forms it by step 1,300.
+What it found is in the README's RL section and docs/design-notes.md.
 
 Limits: one seed per run, a batch of 32, one thread; the step at which induction forms moves with the seed,
 the depth and the rates. The script answers "does it form within N steps here", not "can it ever".
@@ -163,6 +148,20 @@ def train_loop(name, m, opts, batches, steps, log_every=100):
             print(f"  {name} step {step:5d}: repeats' loss {loss.item():.2f} ({seconds:.0f} s)", flush=True)
 
 
+# The runs:
+# - fixed: the toy GLM-5 (configs/toy.py, dense attention, train.py's Muon + AdamW) on `span` random ids
+#   followed by the same ids, then tested on copies at other distances. A model that learnt "attend `span`
+#   positions back" solves the training copy and fails the others (its loss goes past chance).
+# - rows: the toy GLM-5 on train.py's copy rows (copy_probe.copy_rows: a span of 8 to `span` ids, repeated to
+#   2 * `span` tokens). The period varies, so only the content tells where to copy from.
+# - reference: an attention-only transformer (2 layers by default, learned positions, d 128, 4 heads, AdamW
+#   1e-3) on the same rows, the textbook setting in which induction heads form (--reference_positions=rope:
+#   with RoPE on its queries and keys instead, as GLM-5 has). Its vocabulary is the toy's (4,096), so both
+#   models spread their first guesses over the same ids.
+#
+# The ids are drawn from the whole vocabulary by default. Drawing them from fewer (--ids=512) makes the task
+# harder, not easier: the ids never seen must first be pushed down, and induction forms later
+# (docs/design-notes.md has the steps).
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[1])
     ap.add_argument("--runs", default="fixed,rows,reference", help="any of fixed, rows, reference")

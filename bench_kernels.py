@@ -3,29 +3,17 @@ kernels.py's Triton kernels against their torch references (dsa.py's torch paths
 at GLM-5 shapes (GLM-5 report, section 2 and its W4A8 deployment; DeepSeek-V3.2 report):
 64 heads over 576-d latents (512 + 64) with top-k 2048, a 32 x 128 lightning indexer, experts of
 6144 -> 2048 -> 6144 with 8 of them per token, and W4A8 expert matmuls; contexts 8K to 128K. The `quant`
-rows time kernels_quant.py (the compressed-tensors W8A8 / W4A8 layers quantize.py writes) against the bf16
-matmuls they replace: W8A8 at the attention's q_b_proj and o_proj, W4A8 at one expert's gate/up and down
-(per channel and in groups of 128), and the grouped W4A8 experts against torch's bf16 grouped GEMM.
-
-Printed per row, measured side by side in this run: the reference's time, the kernel's time, the ratio
-(reference / kernel), and what the kernel achieves: TFLOP/s against this device's bf16 matmul peak and
-GB/s against its copy bandwidth, both measured at the start (8192^3 matmul; a 1 GiB device copy), and
-err = max |kernel - reference| / max |reference| (for the bf16 baseline row: W4A8's quantization error).
-FLOPs count the useful work (the indexer counts every visible key, sparse MLA 2 (2C + R) per head and
-selected key); bytes count the data a perfect kernel must move once (caches and weights read, outputs
-written).
-The anchors: FlashMLA's sparse decode reaches about 410 TFLOP/s on an H800; Marlin-style INT4 matmuls
-come close to 4x over bf16 at small batch.
+rows time kernels_quant.py against the bf16 matmuls they replace (see its section). Printed per row,
+measured side by side in this run: the reference's time, the kernel's, their ratio, TFLOP/s and GB/s
+against this device's measured peaks, and the error (defined at row() below).
 
 Run it:
-    python bench_kernels.py                                  # on a CUDA GPU: everything (a few minutes)
+    python bench_kernels.py                                  # on a CUDA GPU: everything
     python bench_kernels.py --only=mla,quant --contexts=8192  # a subset
-    python bench_kernels.py --interpret                      # tiny shapes under Triton's CPU
-                                                             # interpreter: every path runs and
-                                                             # agrees; times nothing
-    python bench_kernels.py --cpu                            # no GPU needed: kernels_quant's torch
-                                                             # integer path vs an fp32 matmul of the
-                                                             # dequantized weight, on this CPU
+    python bench_kernels.py --interpret      # tiny shapes under Triton's CPU interpreter: every path runs
+                                             # and agrees; times nothing
+    python bench_kernels.py --cpu            # no GPU needed: kernels_quant's torch integer path vs an
+                                             # fp32 matmul of the dequantized weight, on this CPU
 Without a GPU (and without --interpret or --cpu) it says so and exits 0.
 
 Honest limits: one run, mean times from triton.testing.do_bench (L2 flushed between runs); random top-k
@@ -90,6 +78,15 @@ DT = torch.float32 if DEV == "cpu" else torch.bfloat16  # the interpreter mishan
 
 # -----------------------------------------------------------------------------
 # The machine, its peaks, and one timed row
+#
+# Printed per row, measured side by side in this run: the reference's time, the kernel's time, the ratio
+# (reference / kernel), and what the kernel achieves: TFLOP/s against this device's bf16 matmul peak and GB/s
+# against its copy bandwidth, both measured at the start (8192^3 matmul; a 1 GiB device copy), and err = max
+# |kernel - reference| / max |reference| (for the bf16 baseline row: W4A8's quantization error). FLOPs count
+# the useful work (the indexer counts every visible key, sparse MLA 2 (2C + R) per head and selected key);
+# bytes count the data a perfect kernel must move once (caches and weights read, outputs written). The
+# anchors: FlashMLA's sparse decode reaches about 410 TFLOP/s on an H800; Marlin-style INT4 matmuls come close
+# to 4x over bf16 at small batch.
 
 
 def describe_machine():
@@ -307,6 +304,10 @@ def bench_moe(E, D, F_, k, token_counts):
 
 # -----------------------------------------------------------------------------
 # kernels_quant: W8A8 and W4A8 in the compressed-tensors layout, against the bf16 matmuls they replace
+#
+# The compressed-tensors W8A8 / W4A8 layers quantize.py writes, timed against the bf16 matmuls they replace:
+# W8A8 at the attention's q_b_proj and o_proj, W4A8 at one expert's gate/up and down (per channel and in
+# groups of 128), and the grouped W4A8 experts against torch's bf16 grouped GEMM.
 
 
 def quantize_weight(w, bits, group_size=None):

@@ -1,40 +1,29 @@
 """
 Muon vs Muon Split vs AdamW on the toy GLM-5 (the GLM-5 report's optimizer section, Muon Split; Moonshot's
 "Muon is Scalable for LLM Training", arXiv 2502.16982, whose Moonlight model found Muon about 2x as
-token-efficient as AdamW). Three runs from the same initial weights, over the same
-batches in the same order, with the same token budget, lr schedule and training objective; only the
-optimizer differs:
+token-efficient as AdamW). Three runs from the same initial weights, over the same batches in the same
+order, with the same token budget, lr schedule and training objective (train.py's, see "One training run");
+only the optimizer differs:
 
     muon_split   Muon (muon.build_optimizers, muon_split=True): q_b_proj / kv_b_proj orthogonalised per head
     muon         Muon on whole matrices (muon_split=False)
     adamw        AdamW for every parameter (betas 0.9/0.95, wd 0.1 except norms and biases, as the rest of
                  the project uses)
 
-The objective is train.py's pretraining objective: lm + w_mtp * MTP (0.3, then 0.1 after half the run)
-+ 1e-4 * sequence balance loss, gradient clipping at 1.0, and the aux-loss-free router bias update after
-every optimizer step. The val loss is the plain next-token loss on the same fixed val windows at every
-evaluation. Printed: final val loss, the tokens each run needs to reach AdamW's final val loss (linear
-interpolation between evaluations), the ratio AdamW's tokens / those tokens (Moonlight: about 2), and wall
-time. The curves go to a JSON file (--out).
-
 Run it:
-    python bench_muon.py                     # 200 steps x 8 x 256 tokens per run: about 10-15 min on
-                                             # 2 quiet CPU cores
+    python bench_muon.py                     # 200 steps x 8 x 256 tokens per run
     python bench_muon.py --quick             # 20 steps, a smoke test
-    python bench_muon.py --adamw_lrs=1e-3,3e-3,1e-2   # sweep AdamW's lr; the best final loss becomes
-                                                      # the reference
+    python bench_muon.py --adamw_lrs=1e-3,3e-3,1e-2   # sweep AdamW's lr; the best final loss is the reference
     python bench_muon.py --steps=1000 --lr_muon=0.01 --device=cuda
 
-Honest limits:
-- One seed, one small model, one short budget on a tiny corpus: a difference of a few hundredths in val loss
-  is within what another seed would give. Moonlight's 2x comes from scaling-law fits over many
-  compute-optimal runs; this is one point, not a fit.
-- The lrs are train.py's defaults (Muon 0.02 on the block matrices, AdamW 3e-3 on the rest), not tuned
-  here; AdamW-only gets 3e-3 unless --adamw_lrs sweeps it. Muon's lr is not swept.
-- "Tokens to reach AdamW's final loss" compares a Muon run part-way through its schedule (before its lr
-  decay) with AdamW at the end of its decay, which favours AdamW: the ratio is conservative.
-- Wall time on a CPU shared with other processes is noisy; Newton-Schulz runs in fp32 on a CPU.
-- Attention-logit stability (the report's other claim for Muon Split) is not measured here.
+Honest limits: one seed, one small model, one short budget on a tiny corpus: a difference of a few
+hundredths in val loss is within what another seed would give, and Moonlight's 2x comes from scaling-law
+fits over many compute-optimal runs (this is one point, not a fit). The lrs are train.py's defaults (Muon
+0.02 on the block matrices, AdamW 3e-3 on the rest), not tuned here; AdamW-only gets 3e-3 unless
+--adamw_lrs sweeps it; Muon's lr is not swept. "Tokens to reach AdamW's final loss" compares a Muon run
+part-way through its schedule (before its lr decay) with AdamW at the end of its decay, which favours
+AdamW: the ratio is conservative. Wall time on a shared CPU is noisy; Newton-Schulz runs in fp32 on a CPU.
+Attention-logit stability (the report's other claim for Muon Split) is not measured here.
 """
 
 import argparse
@@ -100,6 +89,13 @@ def make_optimizers(m, kind, lr_muon, lr_adamw, ns_dtype):
 
 # -----------------------------------------------------------------------------
 # One training run
+#
+# The objective is train.py's pretraining objective: lm + w_mtp * MTP (0.3, then 0.1 after half the run) +
+# 1e-4 * sequence balance loss, gradient clipping at 1.0, and the aux-loss-free router bias update after every
+# optimizer step. The val loss is the plain next-token loss on the same fixed val windows at every evaluation.
+# Printed (print_table): final val loss, the tokens each run needs to reach AdamW's final val loss (linear
+# interpolation between evaluations), the ratio AdamW's tokens / those tokens (Moonlight: about 2), and wall
+# time. The curves go to a JSON file (--out).
 
 
 def run(name, kind, lr_muon, lr_adamw, init_state, cfg, train_batches, val_batches, args, dev):

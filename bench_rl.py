@@ -2,76 +2,28 @@
 Benchmarks of the asynchronous agentic RL loop (rl_async.py; GLM-5 report, arXiv 2602.15763, its agentic RL
 infrastructure: rollouts decoupled from training so long agent trajectories never leave the trainer idle,
 and DP-aware routing so a multi-turn rollout keeps hitting one replica's prefix cache). Three parts, each
-measured side by side in one run:
+measured side by side in one run and described at its section below: 1. async vs sync on a long-tail
+workload; 2. the prefix-cache hit rate of multi-turn rollouts, DP-aware router vs round-robin; 3. the
+trainer's step with each group's prompt encoded once (shared_prefix.py) vs one forward per row.
 
-1. async vs sync on a long-tail workload. rl_async.train runs `--steps` trainer steps in mode "sync", then
-   in mode "async" with every other setting the same, each run on fresh serve.py replica processes
-   (replicas.start_replicas) of the same weights and with a fresh trainer copy of them; a third run is
-   async at sync's concurrency (below). The workload, "longtail", wraps the search environment at
-   difficulty 0 and is registered in envs.ENVS in this process only: every rollout takes `--turns` turns,
-   and each non-final turn runs the real search tool, then waits a tool latency drawn from a seeded Pareto
-   distribution (a slow sandbox, a web request), so a few rollouts take many times the median. Printed per
-   run: trajectories per second (those the trainer received, and the distinct ones it trained on after the
-   staleness and group filters), the trainer's idle fraction (its time in Orchestrator.ready over the step
-   time), the ratio to sync, and each async run's staleness histogram: the price of the speed.
-2. prefix-cache hit rate of multi-turn rollouts, DP-aware router vs round-robin. The same rollouts (the same
-   wrapper, no latency, two more turns, sampling seeded by rollout id and turn) are played twice by
-   rollout.rollout, 8 at a time, on fresh replicas with the prefix cache on (2, then 4 of them): with
-   rl_async's router (rl.route pins a rollout to one replica, as orchestrator.Orchestrator does) and with
-   round-robin (each request to the next replica, as a plain load balancer does). Hit rate = cached prompt
-   tokens / prompt tokens, summed over every request (each response's usage.prompt_tokens_details.
-   cached_tokens, which rollout.Gateway counts), also split into first turns (only the shared system prompt
-   and task can hit) and later turns, and the ratio of prefilled (missed) tokens, the compute a hit saves.
-   Every rollout shares a long system prompt with the tool list, which round-robin hits as well; the
-   router's edge is the rollout's own growing context, and it grows with the number of replicas.
-3. the trainer's step with each group's prompt encoded once (shared_prefix.py) vs one forward per row. One
-   batch of configs/rl_toy.py's mix (general, search, terminal at the toy level; 16 groups of 8, 48 tokens
-   a turn) is played on one replica of the model, then rl.rl_step runs on it both ways, alternating, each
-   from the same weights with fresh optimizers: the step times, the tokens each way, and how far apart the
-   two updated models are (rounding only). With the default fresh model every reply runs to 48 tokens and
-   ends the episode; pass the toy policy (--ckpt runs/cpu/sft_episodes/ckpt.pt) for the run's real shapes.
-
-Run it:
-    python bench_rl.py                     # all three parts, a fresh toy model; 6 min on 2 cores at load 5
+    python bench_rl.py                     # all three parts, a fresh toy model
     python bench_rl.py --parts step --ckpt runs/cpu/sft_episodes/ckpt.pt     # part 3 on the toy policy
-    python bench_rl.py --quick             # a small run (under 2 min): checks that it all works
+    python bench_rl.py --quick             # a small run: checks that it all works
     python bench_rl.py --ckpt out_sft/ckpt.pt --steps 12      # a train.py checkpoint or save_pretrained dir
     python bench_rl.py --parts async --ahead 2 --tau 2        # the in-flight depth and the staleness bound
 Needs the tokenizer (data/tokenizer_4096.json, which `python train.py configs/toy.py` builds first).
 
-The choices, and why part 1 is fair. A batch is 2 groups of 4 rollouts (B = 8), weights are pushed after
-every step in every run (sync pays a push per step as async does). The concurrency cap task_concurrency is
-(1 + ahead) * B in the sync run and the first async run: sync keeps exactly one batch in flight, so all B of
-its rollouts run at once (it gets the full concurrency per batch; with the cap B it runs the same), and
-async keeps up to (1 + ahead) batches in flight under the same cap. The third run, async with the cap B,
-runs no more rollouts at once than sync: its gain is not waiting for the slowest rollout of a batch alone,
-the first run's adds the deeper concurrency async can use. ahead = 3 lets the trainer take the first two
-finished groups of up to eight; tau = ahead + 1 keeps a group that later batches overtook by one step and
-drops older stragglers (counted in the histogram). The model: by default a freshly initialized toy GLM-5
-(configs/toy.py sizes, seed 0) saved with weights.save_pretrained; rewards do not matter for throughput.
-
-Honest limits:
-- An untrained model never ends a turn by itself (a stop token is 3 ids of 4,096) nor writes tool calls. So
-  the bench's gateway ends a reply cut at max_tokens with an <|endoftext|> it records as template glue
-  (loss mask 0, like an observation token; the TITO record stays exact), and the wrapper environment reads
-  a reply without tool calls as a query for the search tool until the last turn, which is graded. A
-  trained checkpoint's real tool calls run as they are.
-- The long tail is injected tool latency, not model time: on a 2-core CPU the replicas and the trainer
-  share the cores, so overlapping their compute gains nothing here, only overlapping the waits does. The
-  other way round, async's trainer steps slower than sync's (here about 2x), its cores and its interpreter
-  shared with the generating replicas and the rollout threads (which run in the trainer's process, as in
-  rl_async): with the trainer on devices of its own the ratio would be higher. With compute-bound rollouts
-  (long generations on a GPU cluster) the ratio depends on how the devices are split between rollouts and
-  training, which this machine cannot show. The policy barely moves in a few steps at these learning
-  rates, so staleness costs little here (|r - 1| stays small); in a real run it costs more, which is why
-  tau exists.
-- Short runs: the first step fills the pipeline in every run; the headline is over steps 2 to N and the
-  all-steps figures are printed beside it. Timings on a shared machine are noisy: the load is printed first.
-- Replicas are serve.py processes (separate interpreters, as real replicas are), one torch thread each;
-  the trainer runs in this process with --threads torch threads (1: on a loaded 2-core CPU two threads
-  made the toy's RL step 5-10x slower here). The bench runs from this file's directory, where serve.py
-  finds data/. The bench's hooks into rl_async are Orchestrator.gateway_class (swapped for the run) and
-  envs.ENVS (the wrapper added); rl_async.py itself is unchanged.
+Honest limits: an untrained model never ends a turn by itself nor writes tool calls, so the bench's gateway
+closes a reply cut at max_tokens with an <|endoftext|> recorded as template glue (loss mask 0; the TITO
+record stays exact) and the wrapper environment reads a reply without tool calls as a search query until the
+last, graded turn (a trained checkpoint's tool calls run as they are). The long tail is injected tool
+latency, not model time: on a 2-core CPU replicas and trainer share the cores, so only overlapping the waits
+gains, and async's trainer steps slower than sync's, sharing cores and interpreter with the replicas and the
+rollout threads; with compute-bound rollouts on a GPU cluster the ratio depends on how devices are split,
+which this machine cannot show. The policy barely moves in a few steps, so staleness costs little here
+(|r - 1| stays small; in a real run it costs more: that is why tau exists). Short runs: the first step fills
+the pipeline (the headline is over steps 2 to N, the all-steps figures beside it); timings on a shared
+machine are noisy (the load is printed first).
 """
 
 import argparse
@@ -167,6 +119,11 @@ class LongTailSearch(envs.Env):
 
 # -----------------------------------------------------------------------------
 # The bench's gateways: a turn cut at max_tokens is closed, every request's usage is tallied
+#
+# An untrained model never ends a turn by itself (a stop token is 3 ids of 4,096) nor writes tool calls. So
+# the bench's gateway ends a reply cut at max_tokens with an <|endoftext|> it records as template glue (loss
+# mask 0, like an observation token; the TITO record stays exact), and the wrapper environment reads a reply
+# without tool calls as a query for the search tool until the last turn, which is graded.
 
 
 class Tally:
@@ -248,6 +205,14 @@ class swapped:
 
 # -----------------------------------------------------------------------------
 # The model and the replicas
+#
+# The model: by default a freshly initialized toy GLM-5 (configs/toy.py sizes, seed 0) saved with
+# weights.save_pretrained; rewards do not matter for throughput. Replicas are serve.py processes (separate
+# interpreters, as real replicas are), one torch thread each; the trainer runs in this process with --threads
+# torch threads (1 by default: on a loaded 2-core CPU two threads made the toy's RL step slower, see
+# docs/design-notes.md). The bench runs from this file's directory, where serve.py finds data/. The bench's
+# hooks into rl_async are Orchestrator.gateway_class (swapped for the run) and envs.ENVS (the wrapper added);
+# rl_async.py itself is unchanged.
 
 
 def fresh_checkpoint(directory, seed=0):
@@ -285,6 +250,27 @@ def run_settings(args, mode, concurrency, out_dir):
 
 # -----------------------------------------------------------------------------
 # Part 1: async vs sync, the same run, the same settings but the mode
+#
+# rl_async.train runs `--steps` trainer steps in mode "sync", then in mode "async" with every other setting
+# the same, each run on fresh serve.py replica processes (replicas.start_replicas) of the same weights and
+# with a fresh trainer copy of them; a third run is async at sync's concurrency (below). The workload,
+# "longtail", wraps the search environment at difficulty 0 and is registered in envs.ENVS in this process
+# only: every rollout takes `--turns` turns, and each non-final turn runs the real search tool, then waits a
+# tool latency drawn from a seeded Pareto distribution (a slow sandbox, a web request), so a few rollouts take
+# many times the median. Printed per run: trajectories per second (those the trainer received, and the
+# distinct ones it trained on after the staleness and group filters), the trainer's idle fraction (its time in
+# Orchestrator.ready over the step time), the ratio to sync, and each async run's staleness histogram: the
+# price of the speed.
+#
+# The choices, and why part 1 is fair. A batch is 2 groups of 4 rollouts (B = 8), weights are pushed after
+# every step in every run (sync pays a push per step as async does). The concurrency cap task_concurrency is
+# (1 + ahead) * B in the sync run and the first async run: sync keeps exactly one batch in flight, so all B of
+# its rollouts run at once (it gets the full concurrency per batch; with the cap B it runs the same), and
+# async keeps up to (1 + ahead) batches in flight under the same cap. The third run, async with the cap B,
+# runs no more rollouts at once than sync: its gain is not waiting for the slowest rollout of a batch alone,
+# the first run's adds the deeper concurrency async can use. ahead = 3 lets the trainer take the first two
+# finished groups of up to eight; tau = ahead + 1 keeps a group that later batches overtook by one step and
+# drops older stragglers (counted in the histogram).
 
 
 def run_mode(args, tok, mode, concurrency, work):
@@ -362,6 +348,16 @@ def part_async(args, tok, work):
 
 # -----------------------------------------------------------------------------
 # Part 2: prefix-cache hits, the DP-aware router vs round-robin
+#
+# The same rollouts (the same wrapper, no latency, two more turns, sampling seeded by rollout id and turn) are
+# played twice by rollout.rollout, 8 at a time, on fresh replicas with the prefix cache on (2, then 4 of
+# them): with rl_async's router (rl.route pins a rollout to one replica, as orchestrator.Orchestrator does)
+# and with round-robin (each request to the next replica, as a plain load balancer does). Hit rate = cached
+# prompt tokens / prompt tokens, summed over every request (each response's
+# usage.prompt_tokens_details.cached_tokens, which rollout.Gateway counts), also split into first turns (only
+# the shared system prompt and task can hit) and later turns, and the ratio of prefilled (missed) tokens, the
+# compute a hit saves. Every rollout shares a long system prompt with the tool list, which round-robin hits as
+# well; the router's edge is the rollout's own growing context, and it grows with the number of replicas.
 
 
 def play(args, tok, gateway_class, n):
@@ -431,6 +427,12 @@ def part_cache(args, tok):
 
 # -----------------------------------------------------------------------------
 # Part 3: the trainer's step, each group's prompt encoded once vs one forward per row
+#
+# One batch of configs/rl_toy.py's mix (general, search, terminal at the toy level; 16 groups of 8, 48 tokens
+# a turn) is played on one replica of the model, then rl.rl_step runs on it both ways, alternating, each from
+# the same weights with fresh optimizers: the step times, the tokens each way, and how far apart the two
+# updated models are (rounding only). With the default fresh model every reply runs to 48 tokens and ends the
+# episode; pass the toy policy (--ckpt runs/cpu/sft_episodes/ckpt.pt) for the run's real shapes.
 
 STEP_TASKS = (("general", 0), ("search", 0), ("terminal", 0))  # configs/rl_toy.py's mix
 

@@ -1,68 +1,27 @@
 """
-Serving benchmarks for engine.py, each measured side by side in one run on the same model and prompts:
+Serving benchmarks for engine.py, each measured side by side in one run on the same model and prompts.
 
-0. vs transformers  engine.Engine against the peer a user would pick: transformers'
-                GlmMoeDsaForCausalLM.generate on the same weights (our checkpoint converted in memory: the
-                names are the released ones, transformers stacks the experts), sparse attention, greedy, at
-                batch 1, 8 and 32 (one batch, all prompts of one length), and a mixed workload: requests of
-                16-128 prompt and 8-96 output tokens arriving over time (a mean gap of 50 ms, bound by the
-                arrivals, and of 5 ms, where requests queue up), which the engine batches continuously and
-                generate serves as left-padded batches of what has arrived. The engine runs twice: eager,
-                and compiled (compile=True: torch.compile of the prefill and decode forwards, decode batches
-                padded to powers of two; the graphs built first, their time printed, not counted;
-                --no_compile leaves it out). The batches run --rounds interleaved rounds (transformers,
-                eager, compiled; medians, each ratio's range over the rounds printed); the mixed workload
-                runs once. Outputs are compared token for token. transformers is optional: without it
-                this part says so.
-1. throughput   engine.Engine (paged latent cache, continuous batching) at batch 1, 8 and 32 against a
-                naive loop that re-runs the full forward over the whole sequence for every new token, one
-                request at a time (no cache, no batching). Greedy; the engine's tokens are checked against
-                the naive loop's. tokens/s = generated tokens / wall time, prefill included.
-2. MTP          speculative decoding with the MTP block (GLM-5 report, section 2: accept length 2.76 with
-                4 drafted tokens), batch 1, greedy: the accept length (tokens appended per verify forward,
-                the bonus token included, as the report counts it) for 1..4 drafted tokens, how often each
-                draft position is accepted, and the wall-clock speedup over plain decoding with the same
-                engine; the cost of a step, an MTP forward and a verify forward, the accept length at which
-                drafting breaks even here, and the speedup the measured accept length projects to at
-                GLM-5's size (the MTP block is one layer of 78 there, about a third of a step here).
-                Needs a trained checkpoint (an untrained MTP block drafts noise): train.py's out/ckpt.pt.
-3. DSA          one decode step of one GLM-5 layer with the published attention shapes (64 heads, a 512 +
-                64 latent, the indexer's 32 heads x 128, top-2048; GLM-5 report, section 2; DeepSeek-V3.2
-                report), at 16K and 64K cached tokens, for one row and for a batch of --rows rows (8), each
-                its own history: DSA (indexer over all keys, attention over 2048 selected latents) against
-                dense attention over all of them, with model.KVCache (contiguous; one row only),
-                paged_cache.PagedCache read in place (as the engine runs: the index keys scored in the
-                pool, only the selected latent rows read; a batch's rows each over their own stretch of
-                the pool) and PagedCache gathering each history (the reference path), and PagedCache with
-                index_quant "int8" (the index keys in int8 with a scale per key, scored by one int8 GEMM:
-                dsa.py, DeepSeek-V3.2's FP8 indexer). A batch reads the layer's weights once for all its
-                rows, so its ratio shows more of what DSA saves per row than one row's does. Next to
-                each time: the least the step must read (the weights, the index keys and the selected
-                latents; dense: every latent) and the bound that sets at the copy bandwidth measured in
-                the same rounds (a 256 MiB copy after each round's two steps), the indexer's scores timed
-                alone (one matmul, arithmetic the byte bound does not count), and dense attention's two
-                products timed alone: on a CPU dense decode is arithmetic (9.7 GFLOP at 64K), so those
-                products, not its bytes, set its floor. DSA, dense and the copy run in turn, --reps
-                rounds, and the medians are printed. The cache is filled with random latents: prefilling
-                64K tokens densely on a CPU takes too long, and the step's cost does not depend on the
-                values. Then, for issue 17's two goals (dense / DSA >= 4x; DSA within 1.5x of its bound),
-                a straight line through the 1-row and the --rows step (a fixed cost, the weights, and a
-                cost per row) says at which batches each goal holds, and whether both ever hold at once.
-
-4. memory       the engine's cache bytes per token (the latent and the indexer key, every layer) against a
-                dense multi-head K/V cache of the same attention, toy and full size, fp32 and bf16.
+Five parts, each described in a comment at its code below: 0. the engine (eager and compiled) against
+transformers' GlmMoeDsaForCausalLM.generate on the same weights, at batch 1, 8 and 32 and on a mixed
+workload of requests arriving over time; 1. throughput: engine.Engine (paged latent cache, continuous
+batching) against a naive loop with no cache and no batching; 2. MTP speculative decoding (GLM-5 report,
+section 2): the accept length and the speedup for 1..4 drafted tokens; 3. DSA: one decode step of one GLM-5
+layer with the published attention shapes (GLM-5 report, section 2; DeepSeek-V3.2 report) at 16K and 64K
+cached tokens, against dense attention and the bytes the step must read; 4. memory: the cache bytes per
+token against a dense multi-head K/V cache.
 
 Run it:
     python train.py configs/toy.py          # first: the trained toy checkpoint (out/ckpt.pt), parts 1-2
-    python bench_serve.py                   # every part; about 10-20 min on 2 CPU cores
+    python bench_serve.py                   # every part
     python bench_serve.py --parts=transformers --threads=1   # on a busy machine: one thread each
     python bench_serve.py --parts=dsa --contexts=16384,65536,131072
     python bench_serve.py --device=cuda     # on a GPU (the DSA part then runs the Triton kernels)
 
 Honest limits: on a CPU the toy model's decode step is dominated by per-layer Python and small-matmul
 overhead, so batching gains are larger and MTP gains smaller than on a GPU serving a big model; the DSA
-part times one layer, not the 78-layer model with its MoE (which DSA does not change); without a trained
-checkpoint parts 1 and 2 say so and part 1 uses random weights.
+part times one layer, not the 78-layer model with its MoE (which DSA does not change), over random latents
+(the step's cost does not depend on the values); without a trained checkpoint parts 1 and 2 say so and
+part 1 uses random weights (an untrained MTP block drafts noise); without transformers part 0 says so.
 """
 
 import argparse
@@ -114,6 +73,10 @@ def timed(fn, dev):
     return out, time.perf_counter() - t0
 
 
+# Part 1, throughput: engine.Engine (paged latent cache, continuous batching) at batch 1, 8 and 32 against a
+# naive loop that re-runs the full forward over the whole sequence for every new token, one request at a time
+# (no cache, no batching). Greedy; the engine's tokens are checked against the naive loop's. tokens/s =
+# generated tokens / wall time, prefill included.
 def bench_throughput(m, tok, prompts, n_new, batches, n_naive, dev):
     greedy = sampling.SamplingParams(max_tokens=n_new, temperature=0, ignore_eos=True)
     pages = -(-(len(prompts[0]) + n_new) // 16) * max(batches) + 8
@@ -145,6 +108,14 @@ def bench_throughput(m, tok, prompts, n_new, batches, n_naive, dev):
     return rows
 
 
+# Part 2, MTP: speculative decoding with the MTP block (GLM-5 report, section 2: accept length 2.76 with 4
+# drafted tokens), batch 1, greedy: the accept length (tokens appended per verify forward, the bonus token
+# included, as the report counts it) for 1..4 drafted tokens, how often each draft position is accepted, and
+# the wall-clock speedup over plain decoding with the same engine; the cost of a step, an MTP forward and a
+# verify forward, the accept length at which drafting breaks even here, and the speedup the measured accept
+# length projects to at GLM-5's size (the MTP block is one layer of 78 there, a far larger share of a step in
+# the toy: docs/design-notes.md). Needs a trained checkpoint (an untrained MTP block drafts noise): train.py's
+# out/ckpt.pt.
 def bench_mtp(m, tok, prompts, n_new, drafts, dev):
     greedy = sampling.SamplingParams(max_tokens=n_new, temperature=0, ignore_eos=True)
     pages = -(-(len(prompts[0]) + n_new + 8) // 16) + 4
@@ -231,6 +202,25 @@ def glm5_layer_config(max_positions, **overrides):
     return glm.ModelConfig(**{**full.__dict__, **one_layer, **overrides})
 
 
+# Part 3, DSA: one decode step of one GLM-5 layer with the published attention shapes (64 heads, a 512 + 64
+# latent, the indexer's 32 heads x 128, top-2048; GLM-5 report, section 2; DeepSeek-V3.2 report), at 16K and
+# 64K cached tokens, for one row and for a batch of --rows rows (8), each its own history: DSA (indexer over
+# all keys, attention over 2048 selected latents) against dense attention over all of them, with model.KVCache
+# (contiguous; one row only), paged_cache.PagedCache read in place (as the engine runs: the index keys scored
+# in the pool, only the selected latent rows read; a batch's rows each over their own stretch of the pool) and
+# PagedCache gathering each history (the reference path), and PagedCache with index_quant "int8" (the index
+# keys in int8 with a scale per key, scored by one int8 GEMM: dsa.py, DeepSeek-V3.2's FP8 indexer). A batch
+# reads the layer's weights once for all its rows, so its ratio shows more of what DSA saves per row than one
+# row's does. Next to each time: the least the step must read (the weights, the index keys and the selected
+# latents; dense: every latent) and the bound that sets at the copy bandwidth measured in the same rounds (a
+# 256 MiB copy after each round's two steps), the indexer's scores timed alone (one matmul, arithmetic the
+# byte bound does not count), and dense attention's two products timed alone: on a CPU dense decode is
+# arithmetic (9.7 GFLOP at 64K), so those products, not its bytes, set its floor. DSA, dense and the copy run
+# in turn, --reps rounds, and the medians are printed. The cache is filled with random latents: prefilling 64K
+# tokens densely on a CPU takes too long, and the step's cost does not depend on the values. Then, for issue
+# 17's two goals (dense / DSA >= 4x; DSA within 1.5x of its bound), a straight line through the 1-row and the
+# --rows step (a fixed cost, the weights, and a cost per row) says at which batches each goal holds, and
+# whether both ever hold at once.
 def bench_dsa(contexts, rows, reps, dev, dtype):
     """One GLM-5 layer (published attention shapes, small FFN and vocab), decode step at each context."""
     cfg = glm5_layer_config(max(contexts) + 16)
@@ -448,6 +438,8 @@ def dsa_caches(cfg, S, B, dev, dtype):
     yield "PagedCache, int8 index", paged(True, "int8"), "int8"  # the index keys in int8 + a scale
 
 
+# Part 4, memory: the engine's cache bytes per token (the latent and the indexer key, every layer) against a
+# dense multi-head K/V cache of the same attention, toy and full size, fp32 and bf16.
 def bench_memory():
     """The engine's cache bytes per token (every layer, MTP included), read off a PagedCache as the engine
     allocates it, against the dense multi-head K and V cache the same attention would need without MLA
@@ -488,6 +480,18 @@ def copy_bandwidth(dev, reps=5):
 
 # -----------------------------------------------------------------------------
 # Part 0: the engine against transformers' GlmMoeDsaForCausalLM.generate on the same weights
+#
+# engine.Engine against the peer a user would pick: transformers' GlmMoeDsaForCausalLM.generate on the same
+# weights (our checkpoint converted in memory: the names are the released ones, transformers stacks the
+# experts), sparse attention, greedy, at batch 1, 8 and 32 (one batch, all prompts of one length), and a mixed
+# workload: requests of 16-128 prompt and 8-96 output tokens arriving over time (a mean gap of 50 ms, bound by
+# the arrivals, and of 5 ms, where requests queue up), which the engine batches continuously and generate
+# serves as left-padded batches of what has arrived. The engine runs twice: eager, and compiled (compile=True:
+# torch.compile of the prefill and decode forwards, decode batches padded to powers of two; the graphs built
+# first, their time printed, not counted; --no_compile leaves it out). The batches run --rounds interleaved
+# rounds (transformers, eager, compiled; medians, each ratio's range over the rounds printed); the mixed
+# workload runs once. Outputs are compared token for token. transformers is optional: without it this part
+# says so.
 
 
 def to_transformers(m):

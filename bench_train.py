@@ -3,22 +3,8 @@ Training throughput and MFU of the GLM-5 configs on this machine (MFU as nanoGPT
 the device's measured peak). For each config: measure the matmul peak in the training dtype in this same
 run, then time `--steps` full training steps (forward + backward of train.py's pretraining objective with
 MTP and the balance loss, gradient clipping, Muon + AdamW step, router bias update) after `--warmup`
-untimed ones.
-
-The MoE experts run both ways in the same run (--experts=both, the default): the per-expert loop
-(experts.experts_loop, the reference) and the grouped GEMM (experts.experts_grouped, the model's path), two
-models with the same weights stepped in alternation, so both see the same machine load; the table's row is
-the grouped path's and the line under it gives both step times and their ratio.
-
-Printed per config: ms/step, tokens/s, memory, and three MFUs, each (FLOPs per step / step time) / peak:
-    MFU 6N        6 x activated parameters per token (without MTP), as train.py's log line counts it
-    MFU 6N+attn   plus attention's T^2 term, 6 x layers x heads x (qk_head_dim + v_head_dim) x T per token
-                  (dense causal attention of the pretraining stage, counted over the full T x T square as
-                  PaLM's appendix does, not halved for the causal mask)
-    MFU counted   the FLOPs torch.utils.flop_counter counts in one real step (every matmul, the MTP block's
-                  three passes and their lm_head calls included, experts as actually routed), plus the
-                  analytic attention term for the main and MTP layers when the counter cannot see the
-                  attention kernel (CPU SDPA)
+untimed ones. Printed per config: ms/step, tokens/s, memory and three MFUs (defined at print_table); the
+MoE experts run both ways in the same run, per-expert loop vs grouped GEMM (see "One config").
 
 Run it:
     python bench_train.py                                   # toy and small on the best device here
@@ -30,18 +16,16 @@ Run it:
     python bench_train.py --configs=configs/toy.py --stages --steps=3   # each pipeline stage's step
     python bench_train.py --copy_probe=out/ckpt.pt,out_sft/ckpt.pt      # can they copy from context?
 
-Honest limits:
-- configs/small.py is 1.37B parameters; training it in fp32 needs about 12-16 bytes per parameter plus
-  activations. When the estimate exceeds half the memory available now (--mem_frac), the script keeps the
-  layer shapes and cuts num_hidden_layers (it says so), or skips the config with the reason; it never
-  allocates first and hopes. The estimate is rough; check it on your machine before raising --mem_frac.
-- A shallower model spends a larger share of its time in the embeddings, lm_head and MTP: its tokens/s
-  and MFU are not those of the 12-layer model.
-- On a CPU shared with other processes every timing here is noisy; the peak is the best of several
-  matmuls, so contention during the steps lowers MFU. GPU timings need a quiet GPU too.
-- The dense pretraining stage only: DSA's sparse path and the indexer KL are not timed.
-- torch's FLOP counter does not count grouped GEMMs, so the counted step runs the loop (same FLOPs).
-- --experts=both keeps two models in memory (the estimate counts both).
+Honest limits: configs/small.py is 1.37B parameters; training it in fp32 needs about 12-16 bytes per
+parameter plus activations. When the estimate exceeds half the memory available now (--mem_frac), the
+script keeps the layer shapes and cuts num_hidden_layers (it says so), or skips the config with the reason;
+it never allocates first and hopes. The estimate is rough: check it before raising --mem_frac. A shallower
+model spends a larger share of its time in the embeddings, lm_head and MTP: its tokens/s and MFU are not
+the 12-layer model's. On a shared CPU every timing is noisy; the peak is the best of several matmuls, so
+contention during the steps lowers MFU (GPU timings need a quiet GPU too). The table times the dense
+pretraining stage only: DSA's sparse path and the indexer KL are not timed there. torch's FLOP counter does
+not count grouped GEMMs, so the counted step runs the loop (same FLOPs). --experts=both keeps two models in
+memory (the estimate counts both).
 """
 
 import argparse
@@ -126,6 +110,11 @@ def attention_flops_per_token(cfg, T, layers):
 
 # -----------------------------------------------------------------------------
 # One config
+#
+# The MoE experts run both ways in the same run (--experts=both, the default): the per-expert loop
+# (experts.experts_loop, the reference) and the grouped GEMM (experts.experts_grouped, the model's path), two
+# models with the same weights stepped in alternation, so both see the same machine load; the table's row is
+# the grouped path's and the line under it gives both step times and their ratio.
 
 
 def bench_config(path, args, dev, dtype, peak):
@@ -382,6 +371,15 @@ def probe_checkpoints(paths, args):
 # Main
 
 
+# Printed per config: ms/step, tokens/s, memory, and three MFUs, each (FLOPs per step / step time) / peak:
+#     MFU 6N        6 x activated parameters per token (without MTP), as train.py's log line counts it
+#     MFU 6N+attn   plus attention's T^2 term, 6 x layers x heads x (qk_head_dim + v_head_dim) x T per token
+#                   (dense causal attention of the pretraining stage, counted over the full T x T square as
+#                   PaLM's appendix does, not halved for the causal mask)
+#     MFU counted   the FLOPs torch.utils.flop_counter counts in one real step (every matmul, the MTP block's
+#                   three passes and their lm_head calls included, experts as actually routed), plus the
+#                   analytic attention term for the main and MTP layers when the counter cannot see the
+#                   attention kernel (CPU SDPA)
 def print_table(results, args, dev, peak, dname):
     """The table, with the machine named again under it (one row per config that fit)."""
     print(

@@ -4,65 +4,10 @@ parser and the streaming parser (GLM-5 report, arXiv 2602.15763, its post-traini
 interleaved, preserved and turn-level thinking; tool results come back as observation turns).
 
 GLM-5 uses GLM-4.7's chat template (the chat_template.jinja published with the weights; SGLang serves both
-models with one tool-call detector, glm47_moe_detector.py). render() writes it exactly, and the markers it
-writes are special tokens of our tokenizer (tokenizer.py), as in GLM-5's. A conversation with one tool call,
-its result and the reply (one line in the real thing: no newline follows a role token or a tag):
-
-    [gMASK]<sop><|system|>Be brief.<|user|>List the files.<|assistant|><think>I need ls.</think>
-    <tool_call>ls<arg_key>path</arg_key><arg_value>.</arg_value></tool_call><|observation|>
-    <tool_response>a.py
-    b.py</tool_response><|assistant|><think>Two files.</think>a.py and b.py<|endoftext|>
-
-- Every prompt starts with [gMASK]<sop>; a role token (<|system|>, <|user|>, <|assistant|>,
-  <|observation|>) is followed directly by its text. System and user text is written as given, assistant
-  reasoning and content stripped. A system message is written where it stands, mid-conversation too.
-- Tool calls: <tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value>...</tool_call> right after the
-  content, one after another, no newlines; a string value is written raw, any other value as JSON.
-- Tool results: consecutive ones share one <|observation|>, each wrapped in <tool_response>...
-  </tool_response>, written as given.
-- A tool list (render(tools=...), OpenAI's request shape [{"type": "function", "function": {"name",
-  "description", "parameters"}}]) becomes a system block right after [gMASK]<sop>, before the
-  conversation's own system message, exactly:
-
-    <|system|>\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n
-    You are provided with function signatures within <tools></tools> XML tags:\\n<tools>\\n
-    {tool 1 as JSON}\\n{tool 2 as JSON}\\n...</tools>\\n\\nFor each function call, output the function
-    name and arguments within the following XML format:\\n<tool_call>{function-name}<arg_key>{arg-key-1}
-    </arg_key><arg_value>{arg-value-1}</arg_value><arg_key>{arg-key-2}</arg_key><arg_value>{arg-value-2}
-    </arg_value>...</tool_call>
-
-  (the lines above are broken for this page only). Each tool is the whole {"type": "function", ...} object
-  as JSON with ", " and ": " separators and its keys in the given order (the template's tojson); the
-  markers in the last line are special tokens, as GLM-5's tokenizer makes them.
-
-Thinking, in the template's terms:
-- Interleaved thinking: an assistant message after the last user message (each reply, and each
-  tool-calling step after an observation) shows its reasoning as <think>R</think>.
-- Preserved thinking: an assistant message before the last user message shows a bare </think> (its
-  reasoning is dropped), unless preserve_thinking=True (the template's clear_thinking=False, for agentic
-  sessions): then every message keeps its <think>R</think>. A message with no reasoning shows a bare
-  </think> either way.
-- Turn-level thinking: the template has one switch per request (enable_thinking): the generation prompt is
-  <|assistant|><think> with thinking on, <|assistant|></think> with it off. Ours is per user turn: a user
-  message with "thinking": False switches thinking off for its turn, whose assistant messages then show a
-  bare </think> (reasoning_content there is an error) and whose generation prompt is <|assistant|></think>,
-  which is what the template writes for that request with enable_thinking false. enable_thinking is the
-  default for turns that do not say.
-
-Loss mask: True exactly on the tokens the model writes after the generation prompt: its reasoning and
-</think> (thinking on; the <think> is the prompt's), content, tool calls, and the token that ends its turn,
-which is the next message's role token (GLM's stop tokens): <|observation|> after tool calls, <|user|> after
-a reply. The template writes nothing after the last message; a conversation that ends with an assistant
-message ends with <|endoftext|> (one of GLM-5's eos ids), or <|observation|> after tool calls, so the model
-learns to stop. False on everything else, and on a whole message shown with a bare </think> while thinking
-was on (reasoning dropped or never given): that rendering no longer shows what the model wrote, so it is
-context, not a target.
-
-parse_reply() reads generated ids back into an OpenAI message; ReplyStream does the same incrementally for
-streaming, and parse_reply is built on it, so the two agree. Both take thinking=True when the prompt ended
-with <think> (the reply then starts inside its think block). A tool-call value becomes JSON when it parses as
-JSON and the tool's schema (tools=) does not say "string"; otherwise it stays text (SGLang's detector reads
-it the same way, using the schema the same way).
+models with one tool-call detector, glm47_moe_detector.py). render() writes it exactly, its markers special
+tokens of our tokenizer (tokenizer.py) as in GLM-5's, with a loss mask True exactly on what the model writes
+after the generation prompt; parse_reply() and ReplyStream read generated ids back into an OpenAI message.
+The format, the thinking modes and the mask are described at the template section below.
 
 Run it:
     python sft_data.py              # one rendered example per thinking mode, trained spans in ⟦ ⟧
@@ -213,6 +158,36 @@ def check_messages(messages):
 
 # -----------------------------------------------------------------------------
 # The template: pieces of (text, is_special, trained), then text or ids
+#
+# A conversation with one tool call, its result and the reply (one line in the real thing: no newline follows
+# a role token or a tag):
+#
+#     [gMASK]<sop><|system|>Be brief.<|user|>List the files.<|assistant|><think>I need ls.</think>
+#     <tool_call>ls<arg_key>path</arg_key><arg_value>.</arg_value></tool_call><|observation|>
+#     <tool_response>a.py
+#     b.py</tool_response><|assistant|><think>Two files.</think>a.py and b.py<|endoftext|>
+#
+# - Every prompt starts with [gMASK]<sop>; a role token (<|system|>, <|user|>, <|assistant|>, <|observation|>)
+#   is followed directly by its text. System and user text is written as given, assistant reasoning and
+#   content stripped. A system message is written where it stands, mid-conversation too.
+# - Tool calls: <tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value>...</tool_call> right after the
+#   content, one after another, no newlines; a string value is written raw, any other value as JSON.
+# - Tool results: consecutive ones share one <|observation|>, each wrapped in <tool_response>...
+#   </tool_response>, written as given.
+# - A tool list (render(tools=...), OpenAI's request shape [{"type": "function", "function": {"name",
+#   "description", "parameters"}}]) becomes a system block right after [gMASK]<sop>, before the conversation's
+#   own system message, exactly (lines broken here for the page only):
+#
+#     <|system|>\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n
+#     You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n
+#     {tool 1 as JSON}\n{tool 2 as JSON}\n...</tools>\n\nFor each function call, output the function
+#     name and arguments within the following XML format:\n<tool_call>{function-name}<arg_key>{arg-key-1}
+#     </arg_key><arg_value>{arg-value-1}</arg_value><arg_key>{arg-key-2}</arg_key><arg_value>{arg-value-2}
+#     </arg_value>...</tool_call>
+#
+# Each tool is the whole {"type": "function", ...} object as JSON with ", " and ": " separators and its keys
+# in the given order (the template's tojson); the markers in the last line are special tokens, as GLM-5's
+# tokenizer makes them.
 
 TOOLS_HEADER = (
     "\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
@@ -260,6 +235,28 @@ def reasoning_and_content(m):
     return before.rstrip("\n").split("<think>")[-1].lstrip("\n").strip(), after.lstrip("\n").strip()
 
 
+# Thinking, in the template's terms:
+# - Interleaved thinking: an assistant message after the last user message (each reply, and each tool-calling
+#   step after an observation) shows its reasoning as <think>R</think>.
+# - Preserved thinking: an assistant message before the last user message shows a bare </think> (its reasoning
+#   is dropped), unless preserve_thinking=True (the template's clear_thinking=False, for agentic sessions):
+#   then every message keeps its <think>R</think>. A message with no reasoning shows a bare </think> either
+#   way.
+# - Turn-level thinking: the template has one switch per request (enable_thinking): the generation prompt is
+#   <|assistant|><think> with thinking on, <|assistant|></think> with it off. Ours is per user turn: a user
+#   message with "thinking": False switches thinking off for its turn, whose assistant messages then show a
+#   bare </think> (reasoning_content there is an error) and whose generation prompt is <|assistant|></think>,
+#   which is what the template writes for that request with enable_thinking false. enable_thinking is the
+#   default for turns that do not say.
+#
+# Loss mask: True exactly on the tokens the model writes after the generation prompt: its reasoning and
+# </think> (thinking on; the <think> is the prompt's), content, tool calls, and the token that ends its turn,
+# which is the next message's role token (GLM's stop tokens): <|observation|> after tool calls, <|user|> after
+# a reply. The template writes nothing after the last message; a conversation that ends with an assistant
+# message ends with <|endoftext|> (one of GLM-5's eos ids), or <|observation|> after tool calls, so the model
+# learns to stop. False on everything else, and on a whole message shown with a bare </think> while thinking
+# was on (reasoning dropped or never given): that rendering no longer shows what the model wrote, so it is
+# context, not a target.
 def pieces(messages, tools=None, enable_thinking=True, preserve_thinking=False, add_generation_prompt=False):
     """The conversation as a list of (text, is_special_token, trained) in order, empty texts left out."""
     msgs = check_messages(messages)
@@ -357,6 +354,12 @@ def render(
 
 # -----------------------------------------------------------------------------
 # Reading replies: the stream parser, and parse_reply built on it
+#
+# parse_reply() reads generated ids back into an OpenAI message; ReplyStream does the same incrementally for
+# streaming, and parse_reply is built on it, so the two agree. Both take thinking=True when the prompt ended
+# with <think> (the reply then starts inside its think block). A tool-call value becomes JSON when it parses
+# as JSON and the tool's schema (tools=) does not say "string"; otherwise it stays text (SGLang's detector
+# reads it the same way, using the schema the same way).
 
 
 class ReplyStream:

@@ -8,16 +8,9 @@ library of the running interpreter (about 20-30 MB of real, varied text: code, d
     stdlib *.py (sorted, tests skipped) -> each file + <|endoftext|> -> Tokenizer
         -> data/stdlib/train_000.bin, val_000.bin
 
-- The train/val split is by FILE, decided by a hash of the relative path, so it never depends on file
-  order, machine, or which other files are present.
-- prepare() writes uint16 shards and meta.json atomically and is cached: a second call with the same
-  vocab, tokenizer and source listing returns at once.
-- corpus_sample() is the text tokenizer.py trains its BPE on; prepare() takes that tokenizer as an
-  argument, so this file does not import tokenizer.py (tokenizer.py imports this one).
-- DataLoader.get_batch() takes random windows from memory-mapped shards with offsets from a
-  torch.Generator, so the generator state *is* the data position: save it in the checkpoint and training
-  resumes exactly.
-- download() optionally fetches a larger public corpus (TinyStories); only when called by hand.
+The train/val split is by file; prepare() is cached and atomic; DataLoader's torch.Generator is the data
+position, so training resumes exactly; download() optionally fetches a larger public corpus. Each is
+described at its section below.
 
 Run it (the tokenizer comes first, so the command lives in tokenizer.py; train.py also calls prepare):
     python tokenizer.py            # train the 4096-token tokenizer, then tokenize the stdlib into data/stdlib
@@ -40,6 +33,11 @@ import torch
 
 # -----------------------------------------------------------------------------
 # The default corpus: the standard library's own source
+#
+# The train/val split is by FILE, decided by a hash of the relative path, so it never depends on file order,
+# machine, or which other files are present. corpus_sample() is the text tokenizer.py trains its BPE on;
+# prepare() takes that tokenizer as an argument, so this file does not import tokenizer.py (tokenizer.py
+# imports this one).
 
 SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "__pycache__"}
 VAL_FRACTION = 0.02  # of files (by path hash); about 16 files, ~35k tokens at vocab 4096
@@ -101,6 +99,9 @@ def corpus_sample(n_bytes, root=None):
 
 # -----------------------------------------------------------------------------
 # prepare: tokenize into uint16 shards (cached, atomic)
+#
+# prepare() writes uint16 shards and meta.json atomically and is cached: a second call with the same vocab,
+# tokenizer and source listing returns at once.
 
 
 def listing_hash(root, files):
@@ -221,6 +222,9 @@ def prepare(
 
 # -----------------------------------------------------------------------------
 # Batches: random windows from memory-mapped shards
+#
+# DataLoader.get_batch() takes random windows from memory-mapped shards with offsets from a torch.Generator,
+# so the generator state *is* the data position: save it in the checkpoint and training resumes exactly.
 
 
 class DataLoader:

@@ -4,20 +4,11 @@ report, arXiv 2602.15763, its general RL stage, which the report trains after re
 kinds of rule follow IFEval's verifiable instructions, Zhou et al. 2023, arXiv 2311.07911), one of the
 environments of envs.py (the API is env_base.py's).
 
-One turn, no tools. A task asks for a short reply to a name or about a topic, and adds rules of three kinds:
-- format: a bulleted list of exactly N items; ending with "!" or with a given word; the name in \\boxed{}
-- length: at most N words, or exactly N (a word is a whitespace-separated piece with a letter or a digit)
-- language: all lowercase, all capitals, no digits, or plain ASCII only (José must be written Jose)
-Every task also asks for its content: the reply must mention the name or the topic (in any case, accents
-or not), so an empty reply, or one that says the rules back, earns nothing. Reward 1.0 when every rule
-holds, else 0.0, and the reason names the first rule that failed. Each rule is a pure function of the
-reply's text.
-
-Toy level (0): a length limit and one more rule over the shortest replies, e.g. "Greet Mira in at most 4
-words, ending with !" -> "Hello Mira!", over eight names and eight topics (128 prompts): a 3M-parameter
-model cannot yet copy a word it has not learned from its prompt, so the toy level's words are few enough to
-learn. Levels 1 to 5 mix two or three kinds (three from level 4) over
-longer replies, accented names and topics, and lists of up to four items.
+One turn, no tools. A task asks for a short reply to a name or about a topic, adds format, length and
+language rules (listed at the rules section), and always asks for its content: the reply must mention the
+name or the topic. Reward 1.0 when every rule holds, else 0.0, and the reason names the first rule that
+failed. Difficulty 0 is the toy level, e.g. "Greet Mira in at most 4 words, ending with !" -> "Hello Mira!";
+levels 1 to 5 are described at the tasks section.
 
 Run:
     python envs.py                                                      # one task per environment
@@ -36,6 +27,15 @@ from env_base import Env, boxed
 
 # -----------------------------------------------------------------------------
 # The rules: pure functions of the reply's text (and one argument), True when the rule holds
+#
+# Rules of three kinds:
+# - format: a bulleted list of exactly N items; ending with "!" or with a given word; the name in \boxed{}
+# - length: at most N words, or exactly N (a word is a whitespace-separated piece with a letter or a digit)
+# - language: all lowercase, all capitals, no digits, or plain ASCII only (José must be written Jose)
+#
+# Every task also asks for its content: the reply must mention the name or the topic (in any case, accents or
+# not), so an empty reply, or one that says the rules back, earns nothing. Reward 1.0 when every rule holds,
+# else 0.0, and the reason names the first rule that failed. Each rule is a pure function of the reply's text.
 
 
 def words(text):
@@ -117,6 +117,12 @@ LANGUAGE = ["lowercase", "uppercase", "no_digits", "ascii"]
 
 # -----------------------------------------------------------------------------
 # Tasks: what to write (a name to greet or thank, a topic to describe), the rules, and a reply keeping them
+#
+# Toy level (0): a length limit and one more rule over the shortest replies, e.g. "Greet Mira in at most 4
+# words, ending with !" -> "Hello Mira!", over eight names and eight topics (128 prompts): a 3M-parameter
+# model cannot yet copy a word it has not learned from its prompt, so the toy level's words are few enough to
+# learn. Levels 1 to 5 mix two or three kinds (three from level 4) over longer replies, accented names and
+# topics, and lists of up to four items.
 
 NAMES = (
     "Mira Theo Lena Omar Ines Kai Nora Ravi Yuki Sami Zara Ada Hugo Lila Jonas Maya Elio Rosa Vera".split()

@@ -3,22 +3,12 @@ Verifiable environments for RL (GLM-5 report, arXiv 2602.15763, its RL sections:
 for coding, terminal work, search and reasoning, with rewards checked by the environment, and the general
 RL stage's rule-based rewards).
 
-This file is the table of them (ENVS) and the one import for their users: rollout.py, sft_data.py and
-rl_async.py write envs.ENVS, envs.split_of, envs.MathEnv... Each family lives in its own file, one concept
-each, on the API of env_base.py:
+This file is the table of them (ENVS: math, code, terminal, search, general, each described at the table)
+and the one import for their users: rollout.py, sft_data.py and rl_async.py write envs.ENVS,
+envs.split_of, envs.MathEnv... Each family lives in its own file, one concept each, on the API of
+env_base.py:
     task, tools = env.reset(seed)       # the task text and the tool list (seed None: a random task)
     observations, reward, done, reason = env.step(message)  # an assistant message (or its text)
-- math (env_math.py): arithmetic, equations, series, gcd/lcm, modular powers, a word problem; answers
-  compared as exact Fractions, never evaluated. Toy level: one operation on two single digits.
-- code (env_code.py): write solve(xs) from a spec; tool run_python; hidden tests reach the sandbox only
-  after the solution ran. Toy level: the last step alone (return their sum, say).
-- terminal (env_terminal.py): an instruction over a prepared work dir; tool shell; a verifier of the final
-  state. Toy level: one command, or two (list notes/, then read the one file there).
-- search (env_search.py): an offline knowledge graph; tools search/open/find; multi-hop questions with
-  unique answers. Toy level: a number copied from the hit of one search call.
-- general (env_general.py): one reply, no tools, a rule-based reward: format, length and language rules
-  mixed (a bulleted list of N items, at most N words, all lowercase...), and the name or topic mentioned.
-  Toy level: "Greet Mira in at most 4 words, ending with !".
 Difficulty runs from 0 to 5. Difficulty 0 is the toy level, tasks a 3M-parameter model learns by
 imitation, so that GRPO finds groups with different rewards before RL (rl_async.py); 1 to 5 get longer and
 deeper. Held-out tasks: split_of(prompt) (one task in five, by a hash of its text); seeds(env, split, n).
@@ -86,6 +76,18 @@ __all__ = [
 
 # -----------------------------------------------------------------------------
 # The table of environments
+#
+# - math (env_math.py): arithmetic, equations, series, gcd/lcm, modular powers, a word problem; answers
+#   compared as exact Fractions, never evaluated. Toy level: one operation on two single digits.
+# - code (env_code.py): write solve(xs) from a spec; tool run_python; hidden tests reach the sandbox only
+#   after the solution ran. Toy level: the last step alone (return their sum, say).
+# - terminal (env_terminal.py): an instruction over a prepared work dir; tool shell; a verifier of the final
+#   state. Toy level: one command, or two (list notes/, then read the one file there).
+# - search (env_search.py): an offline knowledge graph; tools search/open/find; multi-hop questions with
+#   unique answers. Toy level: a number copied from the hit of one search call.
+# - general (env_general.py): one reply, no tools, a rule-based reward: format, length and language rules
+#   mixed (a bulleted list of N items, at most N words, all lowercase...), and the name or topic mentioned.
+#   Toy level: "Greet Mira in at most 4 words, ending with !".
 
 ENVS = {
     "math": MathEnv,

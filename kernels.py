@@ -4,61 +4,27 @@ Triton kernels for DSA, GLM-5's sparse attention, each checked against the plain
 
     index_scores        the lightning indexer: I[t, s] = sum_j w[t, j] ReLU(q[t, j] . k[s] * Di^-0.5),
                         causal mask -> -inf, for a block of queries against the cached index keys
-                        (dsa.index_topk then takes the deterministic top-k)
     sparse_mla          MLA in the absorbed form over each query's top-k gathered latents [c_kv | k_pe],
-                        online softmax; returns o_lat and the log-sum-exp; prefill and decode shapes;
-                        a backward kernel (FlashAttention-2 style, scores recomputed, row gradients
-                        added into the latent with fp32 atomics)
-    sparse_mla_target   the sparse-stage indexer KL's target from the lse: the main attention's
-                        probabilities over the selection, summed over heads, normalised
+                        online softmax, prefill and decode shapes; a FlashAttention-2 style backward
+    sparse_mla_target   the sparse-stage indexer KL's target, from the main attention's lse
 
 The MoE experts' grouped SwiGLU kernels are in kernels_moe.py, the W8A8 / W4A8 ones of quantized serving in
-kernels_quant.py; both share this file's switch.
+kernels_quant.py; all share this file's switch, NANOGLM_KERNELS (auto, torch, triton: see its section).
 
-One switch, one rule (use_triton below), set by the environment variable NANOGLM_KERNELS:
-    auto    (default) Triton when the data is on a CUDA GPU, the torch reference otherwise, and the torch
-            reference inside torch.compile (serve.py --compile, train.py --compile=True), where inductor
-            fuses it: this file's kernels, kernels_moe.py's and kernels_quant.py's alike
-    torch   the torch reference everywhere (the switch to compare against, on a GPU too)
-    triton  Triton everywhere; on a machine without CUDA that is Triton's CPU interpreter
-            (TRITON_INTERPRET=1, which this file sets before defining the kernels): slow, for tests
-The DSA kernels (index_scores, sparse_mla, sparse_mla_target) are launchers only: dsa.py asks use_triton
-and calls them or its own torch path (dsa.causal_index_scores, dsa.sparse_mla_torch,
-dsa.sparse_mla_target_torch), so mla.py's sparse path trains through them on a GPU and this file needs
-nothing from dsa.py.
-
-Run:
     python -m pytest -q tests/test_kernels.py  # every kernel vs its reference: interpreter on CPU, GPU if any
     python bench_kernels.py                    # GLM-5 shapes on a GPU: time, ratio, TFLOP/s and GB/s vs peak
     python bench_kernels.py --interpret        # tiny shapes through the interpreter on a CPU: a smoke test
 
-Honest limits:
-- Tile sizes are fixed and untuned (no autotuning) and were chosen without a GPU at hand. On one H100
-  (bench_kernels.py, bf16, README: Benchmarks) the index kernel runs 5-6x its torch path and sparse MLA
-  1.4-1.8x, but sparse MLA decodes at 47-51 TFLOP/s, 6-7% of the chip's bf16 matmul rate, where DeepSeek's
-  FlashMLA reports up to 410 TFLOP/s for sparse decode over an FP8 cache on an H800 (its README). They are
-  written to be read first.
-- top-k after the index kernel is the reference's full stable sort over (B, T, S), not a fused top-k; the
-  scores (B, T, S) in fp32 are materialised, so feed long prefills in blocks of queries.
-- The index kernel does its dot products in the key cache's dtype, the reference in fp32: with a bf16 cache
-  the scores differ at ~1e-2 relative, so near-tied keys can swap in the top-k. For fp32 inputs every
-  kernel here does exact fp32 dots (input_precision="ieee", no tensor cores: slow, meant for tests): with
-  tf32 dots a training step's indexer gradients, which come through the KL, were 5% off the torch path's
-  on an H100. kernels_moe.py's kernels do the same.
-- sparse_mla's backward adds each selected row's gradient into d_latent with fp32 atomics, so the order of
-  those sums (and the last bits of d_latent) varies from run to run on a GPU; dq is deterministic. It
-  keeps one (B, T, H, C) output and the lse for backward, not the (B, T, K, 576) gather that the torch
-  path's autograd keeps.
-- In the sparse stage the indexer's KL input, I at the selected keys, is plain torch
-  (dsa.selected_index_scores, a (B, T, K, 128) gather); the dense warm-up's KL needs dense attention's
-  probabilities and stays in torch.
-- Under torch.compile (NANOGLM_KERNELS=auto) the torch paths run instead, for inductor to fuse: inductor
-  (torch 2.11) failed to compile the index kernel as a user-defined Triton kernel. So a compiled training
-  step on a GPU loses sparse MLA's memory saving (27x at the shape bench_kernels.py times).
-- Run natively in one 15-minute lease of an H100 (torch 2.11, Triton 3.6): 89 of the 97 kernel test cases
-  passed at first, 95 after kernels_quant's two fixes. The compile rule above ran there (inductor then failed
-  on dsa.tie_broken_keys, changed since); the exact fp32 dots above (and kernels_moe.py's) and two test
-  changes came after the lease and have run under the interpreter and on the CPU only.
+Honest limits: tile sizes are fixed and untuned (no autotuning; chosen without a GPU at hand), written to be
+read first and far below DeepSeek's FlashMLA (figures: docs/design-notes.md). top-k after the index kernel
+is the reference's full stable sort over the (B, T, S) fp32 scores, materialised (feed long prefills in
+blocks of queries). With a bf16 cache the index kernel's dots are bf16 (the reference's fp32), so near-tied
+keys can swap in the top-k; fp32 inputs get exact fp32 dots (input_precision="ieee", no tensor cores: slow,
+for tests), since tf32 dots put a training step's indexer gradients 5% off the torch path's on an H100.
+sparse_mla's backward adds into d_latent with fp32 atomics: its last bits vary run to run on a GPU (dq does
+not). The sparse stage's KL input and the dense warm-up's KL stay in torch. Under torch.compile the torch
+paths run (inductor failed on these kernels), so a compiled GPU training step loses sparse MLA's memory
+saving. Only one H100 lease ran them natively; the exact fp32 dots came after it (interpreter and CPU only).
 """
 
 import functools
@@ -69,6 +35,18 @@ import torch.nn.functional as F
 
 # -----------------------------------------------------------------------------
 # The switch and the one dispatch rule
+#
+# One switch, one rule (use_triton below), set by the environment variable NANOGLM_KERNELS:
+#     auto    (default) Triton when the data is on a CUDA GPU, the torch reference otherwise, and the torch
+#             reference inside torch.compile (serve.py --compile, train.py --compile=True), where inductor
+#             fuses it: this file's kernels, kernels_moe.py's and kernels_quant.py's alike
+#     torch   the torch reference everywhere (the switch to compare against, on a GPU too)
+#     triton  Triton everywhere; on a machine without CUDA that is Triton's CPU interpreter
+#             (TRITON_INTERPRET=1, which this file sets before defining the kernels): slow, for tests
+# The DSA kernels (index_scores, sparse_mla, sparse_mla_target) are launchers only: dsa.py asks use_triton and
+# calls them or its own torch path (dsa.causal_index_scores, dsa.sparse_mla_torch,
+# dsa.sparse_mla_target_torch), so mla.py's sparse path trains through them on a GPU and this file needs
+# nothing from dsa.py.
 
 MODE = os.environ.get("NANOGLM_KERNELS", "auto")  # "auto" | "torch" | "triton"
 if MODE not in ("auto", "torch", "triton"):
@@ -143,6 +121,7 @@ LOG2E = 1.4426950408889634  # the kernels' softmax uses exp2: exp(x) = exp2(x * 
 # -----------------------------------------------------------------------------
 # 1. The lightning indexer (dsa.Indexer.score, fused): q (B, T, Hi, Di) fp32, w (B, T, Hi) fp32,
 #    k (B, S, Di) the cached index keys, last (B, T): the last key position each query may see.
+#    Causal positions get -inf; dsa.index_topk then takes the deterministic top-k of these scores.
 
 
 @triton.jit
@@ -254,6 +233,9 @@ def index_scores(q, w, k, last, softmax_scale, block_t=None, block_s=128):
 # -----------------------------------------------------------------------------
 # 2. Sparse MLA, absorbed form (dsa.sparse_mla): q_abs (B, T, H, C), q_pe (B, T, H, R),
 #    latent (B, S, C + R) = [c_kv | k_pe], idx / valid (B, T, K) from the indexer's top-k.
+#    Online softmax, -> o_lat and the log-sum-exp. The backward is FlashAttention-2 style: scores
+#    recomputed, row gradients added into the latent with fp32 atomics. It keeps one (B, T, H, C) output
+#    and the lse for backward, not the (B, T, K, 576) gather that the torch path's autograd keeps.
 
 
 @triton.jit
@@ -535,6 +517,10 @@ def sparse_mla(q_abs, q_pe, latent, idx, valid, softmax_scale, num_splits=None):
     return SparseMLA.apply(*same_dtype(q_abs, q_pe, latent), idx, valid, softmax_scale, num_splits)
 
 
+# The sparse-stage indexer KL's target from the lse: the main attention's probabilities over the selection,
+# summed over heads, normalised. The KL's other input, I at the selected keys, is plain torch
+# (dsa.selected_index_scores, a (B, T, K, 128) gather); the dense warm-up's KL needs dense attention's
+# probabilities and stays in torch.
 @triton.jit
 def sparse_mla_target_kernel(
     QA,

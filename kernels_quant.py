@@ -1,62 +1,30 @@
 """
 W4A8 and W8A8 matmuls for serving a quantized GLM-5 (the GLM-5 report's deployment section: INT4 MoE experts
 with INT8 activations, INT8 attention and dense MLPs), in the checkpoint format vLLM, SGLang and transformers
-read, compressed-tensors. Each Triton kernel sits beside the torch reference it must equal:
+read, compressed-tensors. Each Triton kernel sits beside the torch reference it must equal (the formats, the
+math and what runs where are described at their sections below):
 
     pack_int4 / unpack_int4   signed INT4 in [-8, 7] <-> int32 words, compressed-tensors' `pack-quantized`
-                              order: each value stored as value + 8, eight per word along the input
-                              dimension K, the first value in the lowest 4 bits, K zero-padded to a multiple
-                              of 8 (pack_to_int32 / unpack_from_int32 in
-                              src/compressed_tensors/compressors/quantized_compressors/pack_quantized.py,
-                              https://github.com/vllm-project/compressed-tensors)
-    quantize_activations      dynamic per-token symmetric INT8, vLLM's rule (dynamic_scaled_int8_quant in
-                              https://github.com/vllm-project/vllm, csrc/quantization/w8a8/int8/
-                              scaled_quant.cu): scale = absmax / 127, x_q = round-half-even(x * (127 /
-                              absmax)), 0 for an all-zero token (its scale is 0 too)
-    w8a8_linear               x (..., K) float, weight int8 (N, K), weight_scale (N, 1) -> (..., N)
-    w4a8_linear               x (..., K), weight_packed int32 (N, ceil(K / 8)), weight_scale (N, 1) per
-                              channel or (N, ceil(K / g)) per group of g inputs -> (..., N)
-    w4a8_experts              the routed experts' W4A8 matmul over tokens sorted by expert (experts.py's
-                              grouped layout): x (T, K), counts (E,), weight_packed (E, N, ceil(K / 8)),
-                              weight_scale (E, N, 1 or ceil(K / g)) -> (T, N); one launch for every expert
+    quantize_activations      dynamic per-token symmetric INT8, vLLM's rule
+    w8a8_linear / w4a8_linear x (..., K) float and an INT8 or packed INT4 weight with its scales -> (..., N)
+    w4a8_experts              the routed experts' W4A8 matmul over tokens sorted by expert, one launch
 
-The math, for a token m and an output channel n, with one weight scale per group G of inputs:
-    y[m, n] = x_scale[m] * sum_G w_scale[n, G] * sum_{k in G} x_q[m, k] * w_q[n, k]
-the inner sums are integers, exact in int32 (|x_q w_q| <= 127 * 8 for INT4, 127 * 128 for INT8, so K up
-to ~130K inputs for W8A8); the scales are applied in fp32 in that order, and the result cast to x's dtype.
-
-What runs where: each public function asks kernels.use_triton (the NANOGLM_KERNELS switch: auto, torch,
-triton) and runs the Triton kernel on a CUDA tensor, its torch reference (`*_ref`) otherwise. The reference
-does the integer math for real: int8 x int8 -> int32 with torch._int_mm on a CPU (an exact float64 matmul on
-other devices, whose _int_mm wants M > 16 and K, N multiples of 8), group by group, then the scales. A
-second, plainer reference (`*_fp64`) dequantizes the weights and the activations and multiplies in float64:
-the tests check the integer path equals it to fp32 rounding, and each kernel equals the integer path.
-
-Run:
     python -m pytest -q tests/test_kernels_quant.py   # the references (the interpreter run is marked slow)
     TRITON_INTERPRET=1 NANOGLM_KERNELS=triton python -m pytest -q tests/test_kernels_quant.py  # kernels too
     python bench_kernels.py --only=quant              # GLM-5 shapes on a GPU (--interpret: a smoke test)
     python bench_kernels.py --cpu                     # the integer reference vs an fp32 matmul, this CPU
 
-Honest limits:
-- Run natively once, on an H100 (torch 2.11, Triton 3.6): every test here passes there, bf16 included,
-  after two fixes that run found (the quantizer's FMA contraction and its reference's division, at the
-  quantizer below). Timed there (bench_kernels.py --only=quant, README: Benchmarks), these kernels save
-  memory, not time: W8A8 runs at 0.42-1.06x a bf16 matmul of the same shape, W4A8 at 0.12-0.66x, and the
-  grouped W4A8 experts at 0.79x (256 tokens) and 0.24x (4,096) of torch's bf16 grouped GEMM.
-- Tile sizes are fixed and untuned (no autotuning, no Hopper-specific TMA or warp specialisation, no
-  split-K for decode, no Marlin-style weight reordering): expect them well short of vLLM's CUTLASS W8A8 or
-  Machete/Marlin kernels.
-- The INT4 nibbles are unpacked in registers tile by tile (shifts, a mask, a reshape); the activations are
-  quantized in a separate launch (not fused into the norm or the previous matmul's epilogue).
-- The torch reference unpacks the INT4 weight on every call and loops over groups: on a CPU it is slower
-  than an fp32 matmul of a dequantized weight kept in memory (bench_kernels.py --cpu); a CPU server that
-  cares could keep the unpacked int8 weight (twice the packed bytes, a quarter of fp32).
-- The Triton W4A8 path takes group sizes that are multiples of 32 (a K tile of an int8 dot is at least 32
-  deep and must not straddle two groups); the reference takes any. The grouped experts kernel trusts that
-  counts sums to T (checking it would cost a host sync); the reference checks.
-- Activation scales are per token and dynamic only: no static activation scales, no zero points
-  (asymmetric schemes), no FP8.
+Honest limits: run natively once, on an H100, where every test passed (bf16 included) after two fixes and
+these kernels saved memory, not time: slower than a bf16 matmul of the same shape (docs/design-notes.md).
+Tile sizes are fixed and untuned (no autotuning, no Hopper-specific TMA or warp specialisation, no split-K
+for decode, no Marlin-style weight reordering): expect them well short of vLLM's CUTLASS W8A8 or
+Machete/Marlin kernels. The INT4 nibbles are unpacked in registers tile by tile; the activations are
+quantized in a separate launch (not fused into the norm or the previous matmul's epilogue). The torch
+reference unpacks the INT4 weight on every call and loops over groups: on a CPU it is slower than an fp32
+matmul of a dequantized weight kept in memory (a CPU server could keep the unpacked int8 weight). The Triton
+W4A8 path takes group sizes that are multiples of 32, the reference any; the grouped experts kernel trusts
+that counts sums to T (the reference checks). Activation scales are per token and dynamic only: no static
+scales, no zero points (asymmetric schemes), no FP8.
 """
 
 import sys
@@ -70,6 +38,11 @@ from kernels_moe import expert_tiles
 # -----------------------------------------------------------------------------
 # 1. The INT4 storage format (compressed-tensors `pack-quantized`, num_bits 4): q (N, K) in [-8, 7] ->
 #    int32 words (N, ceil(K / 8)); word j of row n holds q[n, 8j + i] + 8 in bits 4i .. 4i + 3.
+#
+# Each value is stored as value + 8, eight per word along the input dimension K, the first value in the lowest
+# 4 bits, K zero-padded to a multiple of 8: pack_to_int32 / unpack_from_int32 in
+# src/compressed_tensors/compressors/quantized_compressors/pack_quantized.py
+# (https://github.com/vllm-project/compressed-tensors).
 
 PACK = 8  # INT4 values per int32 word
 
@@ -115,7 +88,12 @@ def dequantize(w_q, w_scale, group_size):
 
 
 # -----------------------------------------------------------------------------
-# 2. Activations: dynamic per-token symmetric INT8, one fp32 scale per token (vLLM's rule, see above)
+# 2. Activations: dynamic per-token symmetric INT8, one fp32 scale per token (vLLM's rule)
+#
+# vLLM's rule, dynamic_scaled_int8_quant in https://github.com/vllm-project/vllm,
+# csrc/quantization/w8a8/int8/scaled_quant.cu: scale = absmax / 127, x_q = round-half-even(x * (127 /
+# absmax)), 0 for an all-zero token (its scale is 0 too). The one native H100 run found two fixes here: the
+# reference's division (below) and the Triton quantizer's FMA contraction (quantize_activations_triton).
 
 
 def quantize_activations_ref(x):
@@ -134,6 +112,23 @@ def quantize_activations_ref(x):
 
 # -----------------------------------------------------------------------------
 # 3. The integer references: int8 x int8 -> int32 per group of inputs, then the scales in fp32
+#
+# The math, for a token m and an output channel n, with one weight scale per group G of inputs:
+#     y[m, n] = x_scale[m] * sum_G w_scale[n, G] * sum_{k in G} x_q[m, k] * w_q[n, k]
+# the inner sums are integers, exact in int32 (|x_q w_q| <= 127 * 8 for INT4, 127 * 128 for INT8, so K up
+# to ~130K inputs for W8A8); the scales are applied in fp32 in that order, and the result cast to x's dtype.
+# The reference does the integer math for real: int8 x int8 -> int32 with torch._int_mm on a CPU (an exact
+# float64 matmul on other devices, whose _int_mm wants M > 16 and K, N multiples of 8), group by group, then
+# the scales. It unpacks the INT4 weight on every call: a CPU server that cares could keep the unpacked int8
+# weight (twice the packed bytes, a quarter of fp32). A second, plainer reference (`*_fp64`) dequantizes the
+# weights and the activations and multiplies in float64: the tests check the integer path equals it to fp32
+# rounding, and each kernel equals the integer path.
+#
+# Shapes: w8a8_linear takes x (..., K) float, weight int8 (N, K), weight_scale (N, 1) -> (..., N);
+# w4a8_linear x (..., K), weight_packed int32 (N, ceil(K / 8)), weight_scale (N, 1) per channel or
+# (N, ceil(K / g)) per group of g inputs -> (..., N); w4a8_experts works over tokens sorted by expert
+# (experts.py's grouped layout): x (T, K), counts (E,), weight_packed (E, N, ceil(K / 8)),
+# weight_scale (E, N, 1 or ceil(K / g)) -> (T, N), one launch for every expert.
 
 
 def int_matmul(a, b):
@@ -256,6 +251,9 @@ def w4a8_experts_fp64(x, counts, weight_packed, weight_scale, K, group_size=None
 # 4. The Triton kernels. Tiles: BLOCK_M tokens x BLOCK_N output channels, K walked BLOCK_K at a time
 #    (BLOCK_K >= 32: the least depth of an int8 tl.dot on NVIDIA GPUs); int8 x int8 dots accumulate in
 #    int32, the scales are applied in fp32 after each group's integer sum, as scaled_int_matmul does.
+#    So the W4A8 path takes group sizes that are multiples of 32: a K tile must not straddle two groups.
+#    The INT4 nibbles are unpacked in registers tile by tile (shifts, a mask, a reshape). The grouped
+#    experts kernel trusts that counts sums to T: checking it would cost a host sync (the reference checks).
 
 
 @triton.jit
@@ -600,6 +598,9 @@ def w4a8_experts_triton(x, counts, weight_packed, weight_scale, K, group_size=No
 
 # -----------------------------------------------------------------------------
 # The public functions: Triton on a CUDA tensor (when the switch allows), the reference otherwise
+#
+# Each public function asks kernels.use_triton (the NANOGLM_KERNELS switch: auto, torch, triton) and runs the
+# Triton kernel on a CUDA tensor, its torch reference (`*_ref`) otherwise.
 
 
 def quantize_activations(x):

@@ -6,35 +6,20 @@ head) and the indexer's wq_b and wk in dsa.py are this file's Linear; the router
 (experts.py) and the indexer's fp32 head weights are not. On a GPU, in training, under autocast and under
 torch.compile it is exactly F.linear. On a CPU, with no gradient to take and fp32 data, it calls oneDNN
 (torch.ops.mkldnn._linear_pointwise, the op inductor's CPU backend uses for linears once it has frozen a
-model's weights), because torch's own fp32 matmul there calls MKL's sgemm, which on the machine
-this was measured on (an AMD EPYC, 2 cores, AVX-512) was much slower:
-
-    one GLM-5 layer's projections, batch 1, fp32   MKL (F.linear)     oneDNN
-    o_proj, 16384 -> 6144 (403 MB)                 28-31 GB/s         36-38 GB/s
-    q_b_proj, 2048 -> 16384 (134 MB)               18-24 GB/s         31-35 GB/s
-    o_proj at 32 rows                              7.4 GB/s           16-22 GB/s
-    (the same machine copies memory at 40-45 GB/s, read + write; MKL ran one thread where oneDNN ran two)
-
-A decode step reads every weight once, so its time is these rates: one GLM-5 layer's int8-indexer step at
-64K tokens (bench_serve.py part 3's shapes, two threads) went from 34-38 to 26.6-29.6 ms in three runs with
-this file alone (README: Benchmarks). Nothing in the weights changes: they stay plain tensors, read
-by oneDNN as they are (no prepacking, so loading, saving and weight updates from RL see the same
-parameters).
-
-oneDNN's call costs about 10 us more than MKL's (it looks up its compiled primitive), which the toy model's
-128-wide layers would pay on every call, so the fast path is taken from 2^20 multiply-adds up (measured on
-the same machine: below that the two are within a few us, or MKL wins). Rows and weights of other dtypes
-(fp64 in the exact tests; bf16, not measured here) take F.linear.
+model's weights), because torch's own fp32 matmul there calls MKL's sgemm, which was much slower on the
+machine this was measured on (an AMD EPYC, 2 cores, AVX-512; the figures: docs/design-notes.md). A decode
+step reads every weight once, so its time follows these rates. Nothing in the weights changes: they stay
+plain tensors, read by oneDNN as they are (no prepacking, so loading, saving and weight updates from RL see
+the same parameters). Small GEMMs and other dtypes take F.linear (see ONEDNN_MIN_MACS).
 
 Reference and switch: F.linear is the reference; NANOGLM_KERNELS=torch (kernels.py's switch) takes it
-everywhere. tests/test_linear.py checks the two agree and when each is taken.
+everywhere. Run: python -m pytest -q tests/test_linear.py (the two agree, and when each is taken).
 
 Honest limits: the two differ in the last bits of fp32 (a different order of summation, ~1e-6 relative),
 as MKL itself does between batch sizes, so CPU greedy outputs can differ from before this file existed
 where two tokens' logits were that close. On an Intel CPU MKL may well be as fast; the choice was not
 measured there. Inside torch.compile the graphs keep F.linear (inductor lowers the oneDNN op only for
 frozen weights), so the compiled engine does not get this speed-up.
-Run: python -m pytest -q tests/test_linear.py
 """
 
 import torch
@@ -43,6 +28,10 @@ import torch.nn.functional as F
 
 import kernels
 
+# oneDNN's call costs about 10 us more than MKL's (it looks up its compiled primitive), which the toy model's
+# 128-wide layers would pay on every call, so the fast path is taken from 2^20 multiply-adds up (measured on
+# the same machine: below that the two are within a few us, or MKL wins). Rows and weights of other dtypes
+# (fp64 in the exact tests; bf16, not measured here) take F.linear.
 ONEDNN_MIN_MACS = 2**20  # rows x in x out below which oneDNN's ~10 us call overhead is not repaid
 
 

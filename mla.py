@@ -8,20 +8,9 @@ interleaved RoPE.
     x -> kv_a_proj_with_mqa -> [c_kv | k_pe] -> [kv_a_layernorm(c_kv) | rope(k_pe)] = the latent,
          576 values a token at full size: all a cache holds (with the indexer's 128-value key)
 
-Both forms of the attention over the latents, behind one switch `form`:
-- "naive" (MHA; training and prefill): kv_b_proj expands every latent into per-head keys and values
-  (MLA.naive_attention).
-- "absorb" (MQA; decode over the latent cache): W_UK folded into the query, W_UV into the output, the
-  attention over the latents themselves (MLA.over_latents, MLA.absorbed_attention); a dense decode step as
-  two GEMMs over the latents (MLA.decode_attention).
-With DSA selecting (config.dsa_mode "sparse"), MLA.select takes each query's index_topk keys from the
-indexer's scores; the absorbed form then reads only those latents (dsa.sparse_mla) and the naive form
-masks the rest to -inf (its dense reference). MLA.attend also builds the indexer KL of the dense warm-up
-and the sparse stage from the attention that ran.
-
-MLA.forward runs the projections and the cache write; MLA.attend the attention over the keys. Over
-paged_cache.py's page pool the keys are read in place, for all rows at once or, for a batch of long rows,
-each row alone over its own stretch of the pool (MLA.attend_each_row).
+Both forms of the attention over the latents, "naive" (MHA; training and prefill) and "absorb" (MQA; decode
+over the latent cache), sit behind one switch `form`, with DSA's selection on either; they are described at
+the MLA section below.
 
 Run it: python -m pytest -q tests/test_model.py tests/test_dsa.py tests/test_reference.py
 (absorbed == naive, cached decoding == the full forward, the dense decode GEMMs == the einsums, RoPE and
@@ -105,6 +94,22 @@ def apply_rope_ref(x, cos, sin):
 
 # -----------------------------------------------------------------------------
 # MLA: multi-head latent attention with the DSA indexer
+#
+# Both forms of the attention over the latents, behind one switch `form`:
+# - "naive" (MHA; training and prefill): kv_b_proj expands every latent into per-head keys and values
+#   (MLA.naive_attention).
+# - "absorb" (MQA; decode over the latent cache): W_UK folded into the query, W_UV into the output, the
+#   attention over the latents themselves (MLA.over_latents, MLA.absorbed_attention); a dense decode step as
+#   two GEMMs over the latents (MLA.decode_attention).
+#
+# With DSA selecting (config.dsa_mode "sparse"), MLA.select takes each query's index_topk keys from the
+# indexer's scores; the absorbed form then reads only those latents (dsa.sparse_mla) and the naive form masks
+# the rest to -inf (its dense reference). MLA.attend also builds the indexer KL of the dense warm-up and the
+# sparse stage from the attention that ran.
+#
+# MLA.forward runs the projections and the cache write; MLA.attend the attention over the keys. Over
+# paged_cache.py's page pool the keys are read in place, for all rows at once or, for a batch of long rows,
+# each row alone over its own stretch of the pool (MLA.attend_each_row).
 
 
 class MLA(nn.Module):

@@ -10,33 +10,22 @@ Moonshot's "Muon is Scalable for LLM Training", arXiv 2502.16982):
     O      <- O * 0.2 * sqrt(max(rows, cols))         update RMS 0.2, about AdamW's: AdamW's lr carries over
     W      <- W * (1 - lr * wd) - lr * O              decoupled weight decay 0.1
 
-Muon Split: the MLA up-projections W_UQ (q_b_proj), W_UK and W_UV (both inside kv_b_proj) are not
-orthogonalised as whole matrices but per attention head, each head's block on its own (and scaled by its
-own block shape), so heads can move at different scales. The report credits it with MLA matching GQA-8
-and with attention logits staying stable without clipping. AdamW takes what Muon should not: embeddings,
-lm_head, the MoE router, norms and biases. param_groups() is the one place that decides, and it asserts
-that every trainable parameter lands in exactly one group.
+Muon Split orthogonalises the MLA up-projections per attention head (see its section below); AdamW takes
+what Muon should not, and param_groups() is the one place that decides.
 
-Run its tests (CPU, seconds):
-    python -m pytest -q tests/test_muon.py
+Tests (CPU): python -m pytest -q tests/test_muon.py
 Use it (a training loop):
     muon, adamw = build_optimizers(model, lr_muon=3e-4, lr_adamw=3e-4)
     ... loss.backward(); muon.step(); adamw.step(); model.update_router_bias(m); zero both grads
 
-Honest limits:
-- Newton-Schulz runs in fp32 by default (`ns_dtype`), which is right on a CPU; on a GPU people run it in
-  bf16 (about twice as fast, the iteration tolerates it). Pass ns_dtype=torch.bfloat16 there.
-- One Newton-Schulz call per parameter (a batch of blocks under Muon Split). A layer's routed experts are
-  stacked (experts.Experts), so its 256 experts' gate, up and down matrices are three batched calls, each
-  expert's matrix orthogonalised on its own, exactly as if each were a separate parameter.
-- FSDP2 / DTensor: every rank all-gathers the full momentum-updated matrix, runs the full Newton-Schulz
-  itself, and keeps only its own shard of the result. Correct, but the work is repeated on every rank and
-  the full matrix is briefly materialised; there is no sharded or rank-assigned Newton-Schulz here.
-  Stacked experts are the exception: a shard along the expert dimension holds whole experts, so each
-  rank orthogonalises its own experts, with no gather.
-  Tested on 2 CPU ranks over gloo (bare DTensors and fully_shard), not on GPUs over NCCL.
-- GLM-5's learning rates and schedule are not published; the defaults here are placeholders.
-- No QK-clip / MuonClip: the report says Muon Split keeps the logits stable without it.
+Honest limits: Newton-Schulz runs in fp32 by default (`ns_dtype`), right on a CPU; on a GPU people run it
+in bf16 (about twice as fast, the iteration tolerates it): pass ns_dtype=torch.bfloat16 there. Under FSDP2
+every rank all-gathers the full momentum-updated matrix, runs the full Newton-Schulz itself and keeps its
+own shard: correct, but the work is repeated on every rank and the full matrix briefly materialised (no
+sharded or rank-assigned Newton-Schulz; stacked experts, sharded whole, need no gather). Tested on 2 CPU
+ranks over gloo (bare DTensors and fully_shard), not on GPUs over NCCL. GLM-5's learning rates and
+schedule are not published: the defaults are placeholders. No QK-clip / MuonClip: the report says Muon
+Split keeps the logits stable without it.
 """
 
 import functools
@@ -86,6 +75,11 @@ def zeropower_via_newtonschulz(G, steps=5, dtype=torch.float32, eps=1e-7):
 # -----------------------------------------------------------------------------
 # Muon Split: orthogonalise a batch of per-head blocks instead of the whole matrix
 #
+# The MLA up-projections W_UQ (q_b_proj), W_UK and W_UV (both inside kv_b_proj) are not orthogonalised as
+# whole matrices but per attention head, each head's block on its own (and scaled by its own block shape), so
+# heads can move at different scales. The report credits it with MLA matching GQA-8 and with attention logits
+# staying stable without clipping.
+#
 # A split is a tuple of row counts that repeats once per head. nn.Linear stores (out, in), so a head is a
 # run of rows:   q_b_proj (H * (nope + rope), q_lora_rank):  split (nope + rope,)  -> W_UQ^h
 #               kv_b_proj (H * (nope + v), kv_lora_rank):   split (nope, v)       -> W_UK^h, W_UV^h
@@ -116,6 +110,10 @@ def orthogonalized_update(u, split=None, steps=5, dtype=torch.float32):
 
 # -----------------------------------------------------------------------------
 # The optimizer
+#
+# One Newton-Schulz call per parameter (a batch of blocks under Muon Split). A layer's routed experts are
+# stacked (experts.Experts), so its 256 experts' gate, up and down matrices are three batched calls, each
+# expert's matrix orthogonalised on its own, exactly as if each were a separate parameter.
 
 
 class Muon(torch.optim.Optimizer):
@@ -189,6 +187,12 @@ class Muon(torch.optim.Optimizer):
 
 # -----------------------------------------------------------------------------
 # FSDP2 / DTensor: gather, orthogonalise the full matrix, keep the local shard
+#
+# Every rank all-gathers the full momentum-updated matrix, runs the full Newton-Schulz itself, and keeps only
+# its own shard of the result. Correct, but the work is repeated on every rank and the full matrix is briefly
+# materialised; there is no sharded or rank-assigned Newton-Schulz here. Stacked experts are the exception: a
+# shard along the expert dimension holds whole experts, so each rank orthogonalises its own experts, with no
+# gather.
 
 
 def whole_matrices(u):
@@ -209,6 +213,9 @@ def _apply_sharded(p, u, orth, lr, wd):
 
 # -----------------------------------------------------------------------------
 # Parameter groups: the one place that decides who trains with what
+#
+# AdamW takes what Muon should not: embeddings, lm_head, the MoE router, norms and biases. param_groups()
+# asserts that every trainable parameter lands in exactly one group.
 
 
 def param_groups(model, lr_muon=3e-4, lr_adamw=3e-4, weight_decay=0.1, muon_split=True):

@@ -12,27 +12,18 @@ What it implements:
 - Prefix caching (vLLM's automatic prefix caching; nano-vllm's block_manager.py): a full page is keyed by
   the hash chain of its prefix, so a repeated prefix (the next chat turn, an agent's next step) is shared,
   not prefilled again; unreferenced cached pages are evicted least recently used first.
-
-How attention reads it (point()): when the pool is at most twice the longest history (one long request, a
-full server), attention reads the pool in place: DSA scores the index keys in the pool and reads only the
-selected latent rows, dense attention scores every pool row under a mask; no history is copied. When
-several long requests share a larger pool, a decode step reads each row alone over its own stretch of
-the pool, in place the same way (a request's pages are reserved at admission and handed out in
-ascending order, so they lie together unless the free pages are scattered or a cached prefix sits
-elsewhere; such a row is gathered). Otherwise (a large pool, short rows) write() gathers each row's
-history into a (B, S, 576) tensor per layer, which is also the reference path (PagedCache(in_place=False))
-the tests hold the in-place one to.
+How attention reads it (in place, row by row, or gathered) is described at PagedCache.point.
 
 Run it through engine.py (python bench_serve.py; python -m pytest -q tests/test_engine.py).
 
 Honest limits: the page bookkeeping (free list, reference counts, hashes) is Python on the host; in place,
-the pool's scores cost up to twice the rows' own (a paged attention kernel reads each row's pages only;
-on a GPU the Triton index kernel still gets gathered keys); reading rows one by one costs a Python loop
-per layer, so it is taken only from SPAN_MIN_BYTES up and only on a CPU, and a row whose pages are
-scattered is copied; read in place, a row's dense attention multiplies the other rows of the pool (or of
-its stretch) by a probability of exactly 0, so a non-finite latent there (none arises from finite
-weights) would reach it, where a gathered row reads only its own;
-a prefix hash covers token ids only, so a cache must be flushed when the weights change (flush()).
+the pool's scores cost up to twice the rows' own (a paged attention kernel reads each row's pages only; on a
+GPU the Triton index kernel still gets gathered keys); reading rows one by one costs a Python loop per
+layer, so it is taken only from SPAN_MIN_BYTES up and only on a CPU, and a row whose pages are scattered is
+copied; read in place, a row's dense attention multiplies the other rows of the pool (or of its stretch) by
+a probability of exactly 0, so a non-finite latent there (none arises from finite weights) would reach it,
+where a gathered row reads only its own; a prefix hash covers token ids only, so a cache must be flushed
+when the weights change (flush()).
 """
 
 import collections
@@ -88,6 +79,15 @@ class PagedCache:
         self.spans = None  # (first, last + 1, rows) per row: a decode step reading each row alone (point)
         self.work = {}  # buffers decode steps reuse for the pool's index products and gathers (dsa.reused)
 
+    # How attention reads the cache: when the pool is at most twice the longest history (one long request, a
+    # full server), attention reads the pool in place: DSA scores the index keys in the pool and reads only
+    # the selected latent rows, dense attention scores every pool row under a mask; no history is copied. When
+    # several long requests share a larger pool, a decode step reads each row alone over its own stretch of
+    # the pool, in place the same way (a request's pages are reserved at admission and handed out in ascending
+    # order, so they lie together unless the free pages are scattered or a cached prefix sits elsewhere; such
+    # a row is gathered). Otherwise (a large pool, short rows) write() gathers each row's history into a
+    # (B, S, 576) tensor per layer, which is also the reference path (PagedCache(in_place=False)) the tests
+    # hold the in-place one to.
     def point(self, tables, length, ends=None):
         """Before a forward: tables (B, n) page ids per row, length = the furthest position + 1 (a host
         int, so no layer reads positions back from the device). When the pool is at most twice the

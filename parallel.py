@@ -2,49 +2,25 @@
 Training GLM-5 on many devices, the pieces train.py calls under torchrun (the GLM-5 report's training
 infrastructure; the model of its section 2, Muon Split of its optimizer section; PyTorch's FSDP2
 `fully_shard` and torch.distributed.checkpoint docs): the memory plan, FSDP2 sharding, expert parallelism,
-gradient clipping across shards, and checkpoints that gather the shards into one file.
+gradient clipping across shards, and checkpoints that gather the shards into one file. Each is described at
+its section below, the whole step at the FSDP2 section.
 
-    memory plan (meta device) -> init_process_group -> [expert parallel: keep E / world experts per rank]
-        -> fully_shard(each block, the MTP block, then the root; local experts left out)
-        -> train.py's loop: forward (FSDP all-gathers a block; MoE tokens go to their expert's rank with
-           all-to-all and come back the same way) -> backward (FSDP reduce-scatters the mean gradient)
-        -> clip_grad_norm_ across shards -> Muon + AdamW on the shards -> router bias from summed loads
-
-- FSDP2 (`torch.distributed.fsdp.fully_shard`): every parameter is a DTensor sharded on dim 0 over the
-  ranks; a block's weights exist whole only while it runs. Muon gathers each matrix for Newton-Schulz
-  (muon.py). Each rank trains on its own slice of the global batch and FSDP averages the gradients.
-- Expert parallelism (`expert_parallel = True`): each rank owns n_routed_experts / world experts, whole,
-  outside FSDP: the layer's stacked expert tensors (experts.Experts) become DTensors sharded on the expert
-  dimension. After routing, every (token, expert) pair is sent to the owning rank with
-  torch.distributed.all_to_all_single (the counts go first), the owner runs its experts over everything
-  it received (one grouped GEMM, experts.run_experts), and the results travel back the same way. The
-  owner's expert gradient sums the contributions of every rank's tokens, so it is divided by the world
-  size to equal FSDP's mean. The names stay `model.layers.3.mlp.experts.gate_up_proj` (the whole
-  tensor in a checkpoint), so checkpoints do not depend on it.
-- The plan: parameters, bytes per rank for weights, gradients, optimizer states and a rough activation
-  estimate, counted on the meta device from a skeleton (the dense layers and one MoE layer, the MoE layer
-  multiplied), so the 744B model is planned in about a second.
-
-Run it:
     python train.py configs/full.py --dry_run=True                      # the plan for one rank, exit 0
     python train.py configs/full.py --dry_run=True --plan_world_size=256 --expert_parallel=True
     torchrun --standalone --nproc_per_node=2 train.py configs/toy.py --device=cpu       # FSDP2, gloo
     torchrun --standalone --nproc_per_node=2 train.py configs/toy.py --device=cpu --expert_parallel=True
 Tests: python -m pytest -q tests/test_parallel.py
 
-Honest limits:
-- One-dimensional: FSDP and expert parallelism share one mesh of all ranks. No tensor or pipeline
-  parallelism, no hybrid (replicate x shard) mesh, no context parallelism for long sequences.
-- The model is built whole on every rank's host (same seed, same weights) and then sharded; a model larger
-  than host memory would need a meta-device build with sharded initialisation, which is not here.
-- The all-to-all is synchronous (split sizes go through the host) and not overlapped with compute.
-- Tested on 2 CPU processes over gloo; NCCL on GPUs is the same code, untested here.
-- The plan is arithmetic, not a measurement: activations assume flash-style attention (no T x T
-  probabilities kept) and no recomputation; allocator fragmentation and communication buffers are not
-  counted.
-- Checkpoints gather everything on rank 0 (full state dict, on the CPU) and every rank reads the whole
-  file on resume: right for a readable script, not for 744B parameters (that wants sharded
-  torch.distributed.checkpoint files).
+Honest limits: one-dimensional: FSDP and expert parallelism share one mesh of all ranks; no tensor or
+pipeline parallelism, no hybrid (replicate x shard) mesh, no context parallelism for long sequences. The
+model is built whole on every rank's host (same seed, same weights) and then sharded; a model larger than
+host memory would need a meta-device build with sharded initialisation, which is not here. The all-to-all
+is synchronous (split sizes go through the host) and not overlapped with compute. Tested on 2 CPU
+processes over gloo; NCCL on GPUs is the same code, untested here. The plan is arithmetic, not a
+measurement: activations assume flash-style attention (no T x T probabilities kept) and no recomputation;
+allocator fragmentation and communication buffers are not counted. Checkpoints gather everything on rank 0
+(full state dict, on the CPU) and every rank reads the whole file on resume: right for a readable script,
+not for 744B parameters (that wants sharded torch.distributed.checkpoint files).
 """
 
 import dataclasses
@@ -67,6 +43,10 @@ GiB = 2**30
 
 # -----------------------------------------------------------------------------
 # The plan: parameters and bytes per rank, from a skeleton on the meta device
+#
+# Parameters, bytes per rank for weights, gradients, optimizer states and a rough activation estimate, counted
+# on the meta device from a skeleton (the dense layers and one MoE layer, the MoE layer multiplied), so the
+# 744B model is planned in about a second.
 
 
 def plan_counts(cfg):
@@ -197,6 +177,15 @@ def ranks_needed(cfg, expert_parallel, batch_size, block_size, act_bytes, capaci
 
 # -----------------------------------------------------------------------------
 # Expert parallelism: all-to-all, differentiable
+#
+# `expert_parallel = True`: each rank owns n_routed_experts / world experts, whole, outside FSDP: the layer's
+# stacked expert tensors (experts.Experts) become DTensors sharded on the expert dimension. After routing,
+# every (token, expert) pair is sent to the owning rank with torch.distributed.all_to_all_single (the counts
+# go first), the owner runs its experts over everything it received (one grouped GEMM, experts.run_experts),
+# and the results travel back the same way. The owner's expert gradient sums the contributions of every rank's
+# tokens, so it is divided by the world size to equal FSDP's mean. The names stay
+# `model.layers.3.mlp.experts.gate_up_proj` (the whole tensor in a checkpoint), so checkpoints do not depend
+# on it.
 
 
 class _AllToAll(torch.autograd.Function):
@@ -302,6 +291,18 @@ def shard_experts(m, group=None):
 
 # -----------------------------------------------------------------------------
 # FSDP2, clipping, and averaging across ranks
+#
+# The whole step under torchrun:
+#
+#     memory plan (meta device) -> init_process_group -> [expert parallel: keep E / world experts per rank]
+#         -> fully_shard(each block, the MTP block, then the root; local experts left out)
+#         -> train.py's loop: forward (FSDP all-gathers a block; MoE tokens go to their expert's rank with
+#            all-to-all and come back the same way) -> backward (FSDP reduce-scatters the mean gradient)
+#         -> clip_grad_norm_ across shards -> Muon + AdamW on the shards -> router bias from summed loads
+#
+# FSDP2 (`torch.distributed.fsdp.fully_shard`): every parameter is a DTensor sharded on dim 0 over the ranks;
+# a block's weights exist whole only while it runs. Muon gathers each matrix for Newton-Schulz (muon.py). Each
+# rank trains on its own slice of the global batch and FSDP averages the gradients.
 
 
 def shard_model(m, mesh, ignored=()):

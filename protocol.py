@@ -3,28 +3,8 @@ The OpenAI API as this server reads and writes it (vLLM keeps the same in its Op
 protocol.py): the request fields each route takes and how each is checked, how a request becomes a prompt
 (a completion's text or ids; a chat's messages and tools, rendered by chat.py in GLM-5's format) and the
 engine's SamplingParams, and how a reply's ids become the text a client sees, streamed or whole. serve.py
-is the HTTP server around it.
-
-Request fields. Both routes: model, max_tokens, temperature, top_p, top_k, seed, stop, stream,
-stream_options.include_usage, n (1 only), presence_penalty, frequency_penalty (in [-2, 2]),
-return_token_ids, ignore_eos. Completions: prompt, logprobs (0..20), echo (not with logprobs). Chat:
-messages (content a string or a list of text parts; roles system, developer, user, assistant, tool),
-logprobs, top_logprobs, max_completion_tokens, chat_template_kwargs (enable_thinking,
-preserve_thinking), tools, tool_choice ("auto" or "none": then no tools are shown), parallel_tool_calls
-(accepted, not enforced). Ignored: user, metadata, store, service_tier, prompt_cache_key,
-safety_identifier, and response_format {"type": "text"} (the default). Refused by name as not
-supported: logit_bias, response_format (any other), functions, function_call, best_of, suffix, audio,
-modalities, prediction, reasoning_effort, verbosity, web_search_options, tool_choice "required" or a named
-function; any other field is an unknown field. A temperature below 1e-5 is greedy, as in vLLM.
-
-Every check raises an APIError with one sentence naming the field and what it must be; serve.py sends it
-as {"error": {message, type, param, code}}.
-
-Streamed or whole, a reply reads the same: a chat reply's ids go through ChatDeltas (chat.ReplyStream,
-which splits reasoning, content and tool calls by token id and strips the text as the template does, plus
-the stop strings), fed step by step for a stream and all at once for the whole reply; a completion's text
-is the engine's, cut at a stop string, and pending_text streams it. Both hold back what could still turn
-out to be the start of a stop string, so the deltas concatenate to exactly the whole reply (OpenAI's rule).
+is the HTTP server around it. The fields taken, ignored and refused are listed at the request section;
+streamed or whole, a reply reads the same (the reply section says how).
 
 Run it through serve.py: python serve.py --ckpt out/ckpt.pt
 Tests: python -m pytest -q tests/test_serve.py (over a real socket)
@@ -41,6 +21,21 @@ from sampling import SamplingParams
 
 # -----------------------------------------------------------------------------
 # Request bodies: the fields each route accepts, each checked with an error that names it
+#
+# Request fields. Both routes: model, max_tokens, temperature, top_p, top_k, seed, stop, stream,
+# stream_options.include_usage, n (1 only), presence_penalty, frequency_penalty (in [-2, 2]),
+# return_token_ids, ignore_eos. Completions: prompt, logprobs (0..20), echo (not with logprobs). Chat:
+# messages (content a string or a list of text parts; roles system, developer, user, assistant, tool),
+# logprobs, top_logprobs, max_completion_tokens, chat_template_kwargs (enable_thinking, preserve_thinking),
+# tools, tool_choice ("auto" or "none": then no tools are shown), parallel_tool_calls (accepted, not
+# enforced). Ignored: user, metadata, store, service_tier, prompt_cache_key, safety_identifier, and
+# response_format {"type": "text"} (the default). Refused by name as not supported: logit_bias,
+# response_format (any other), functions, function_call, best_of, suffix, audio, modalities, prediction,
+# reasoning_effort, verbosity, web_search_options, tool_choice "required" or a named function; any other field
+# is an unknown field. A temperature below 1e-5 is greedy, as in vLLM.
+#
+# Every check raises an APIError with one sentence naming the field and what it must be; serve.py sends it as
+# {"error": {message, type, param, code}}.
 
 
 class APIError(Exception):
@@ -282,6 +277,12 @@ def is_function_tool(t):
 
 # -----------------------------------------------------------------------------
 # Replies as text: what a stream sends is exactly what the whole reply holds
+#
+# Streamed or whole, a reply reads the same: a chat reply's ids go through ChatDeltas (chat.ReplyStream, which
+# splits reasoning, content and tool calls by token id and strips the text as the template does, plus the stop
+# strings), fed step by step for a stream and all at once for the whole reply; a completion's text is the
+# engine's, cut at a stop string, and pending_text streams it. Both hold back what could still turn out to be
+# the start of a stop string, so the deltas concatenate to exactly the whole reply (OpenAI's rule).
 
 
 def pending_text(r, sent):

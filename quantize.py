@@ -2,7 +2,11 @@
 W4A8 quantization, offline (GLM-5 report, arXiv 2602.15763, its deployment section: INT4 MoE experts with
 INT8 activations, INT8 attention and dense MLPs, a few sensitive matrices kept in BF16, and a Hadamard
 rotation that removes activation outliers first). As gpt-fast does it: read a checkpoint, write a quantized
-one whose config.json says the scheme; quantized.py is the runtime that loads and runs it.
+one whose config.json says the scheme; quantized.py is the runtime that loads and runs it. The checkpoint is
+written by hand in the compressed-tensors layout (the one vLLM, SGLang and transformers read) and the
+rotation is QuaRot's (arXiv 2404.00456); both are explained at their sections below, the QuaRot section
+also saying where in MLA / DSA / MoE / MTP the rotation cannot be fused, and why the MTP block gets its own
+head.
 
     python quantize.py --ckpt out_sparse/ckpt.pt --out /tmp/q/w4a8 --rotate          # the report's scheme
     python quantize.py --ckpt out_sparse/ckpt.pt --out /tmp/q/w4a8g --group_size 32  # group-wise INT4
@@ -11,83 +15,14 @@ one whose config.json says the scheme; quantized.py is the runtime that loads an
     python serve.py --ckpt /tmp/q/w4a8                                                # serve what it wrote
     python -m pytest -q tests/test_quantize.py
 
-What goes where (--scheme w4a8; w8a8 makes the experts INT8 too):
-    routed experts (gate/up/down_proj)                INT4 weights, symmetric, per channel (or --group_size)
-    q_b_proj, o_proj, indexer wq_b, dense MLP,         INT8 weights, symmetric, per output channel
-    shared expert
-    q_a_proj, kv_a_proj_with_mqa, kv_b_proj, indexer   kept in BF16 (the report's list), and MTP's eh_proj
-    wk / weights_proj, router, lm_head, embeddings,
-    norms
-    activations of every INT8/INT4 layer              INT8, per token, dynamic, symmetric (at run time)
-
-The checkpoint is written in the compressed-tensors layout, the one vLLM, SGLang and transformers read
-quantized checkpoints in, by hand (the library is not a dependency). What was followed, from the library's
-public source (github.com/neuralmagic/compressed-tensors, now vllm-project/compressed-tensors):
-- compressors/quantized_compressors/pack_quantized.py (pack_to_int32, compression_param_names): INT4 as
-  `weight_packed` int32 [out, ceil(in/8)], 8 values per word along the input dimension, each stored as
-  value + 8, the first in the lowest 4 bits, the row zero-padded; `weight_shape` [out, in] (torch.tensor of
-  the shape: int64); `weight_scale`; no zero point when symmetric. INT8 ("int-quantized", the naive
-  compressor): `weight` int8 [out, in] and `weight_scale`.
-- quantization/utils/helpers.py calculate_qparams: symmetric scale = max|w| / ((q_max - q_min) / 2), that is
-  max|w| / 7.5 for INT4 and / 127.5 for INT8, clamped to fp32 eps; quantize = round(w / scale) clamped to
-  [q_min, q_max]. The scale is stored in the weights' dtype; here it is rounded to that dtype first (up,
-  when the cast would lower it: then max|w| / scale <= 7.5 still and the clamp costs at most half a step)
-  and the weights are quantized with the rounded scale in fp32, so every dequantized value is within half a
-  step of the original (tests/test_quantize.py).
-- quantization/quant_args.py, quant_scheme.py, quant_config.py and config/base.py (CompressionFormat):
-  quantization_config = {quant_method "compressed-tensors", format "mixed-precision" when the groups differ
-  (else the one format), quantization_status "compressed", config_groups {group_i: {targets, weights,
-  input_activations, output_activations, format}}, ignore, kv_cache_scheme}; strategy "channel" / "group"
-  (with group_size) for weights, "token" with dynamic true for activations; targets are module names,
-  "re:" regexes matched from the start of the name, or class names; `ignore` lists modules kept as they are.
-  llm-compressor's MoE examples (github.com/vllm-project/llm-compressor, examples/) ignore lm_head and the
-  router ("re:.*mlp.gate$") as here; they target "Linear", where the targets here are regexes that name
-  exactly the quantized modules (so a reader that does not apply `ignore` still finds the right ones).
-
-QuaRot (Ashkboos et al. 2024, arXiv 2404.00456, section 4): RMSNorm(h) * w followed by a linear W equals
-RMSNorm(h) followed by W diag(w) (fold the norm's weight into the readers), and RMSNorm commutes with an
-orthogonal Q (it only divides by the row's RMS, which Q keeps): so the residual stream can carry h Q instead
-of h when every reader's weight becomes W diag(w) Q, every writer's becomes Q^T W and the embedding E Q. The
-model computes the same function (tests: float64 logits equal), but the activations the INT8 quantizer sees
-are h Q, whose outliers a random Hadamard Q spreads over all channels. Q = diag(random signs) H / sqrt(D);
-H is Sylvester's for D = 2^k and Paley's 12 x 12 (q = 11) Kronecker Sylvester's for D = 12 * 2^k (GLM-5's
-6144 = 12 * 512, the toy test's 48 = 12 * 4); any other D gets a random orthogonal matrix (QR of a
-Gaussian), exact as well, only denser to apply.
-Readers of the residual stream here: q_a_proj, kv_a_proj_with_mqa and the indexer's wk / weights_proj
-(after input_layernorm); the dense MLP's, the shared expert's and every routed expert's gate/up and the
-router (after post_attention_layernorm); lm_head (after model.norm); MTP's eh_proj (after enorm of the
-rotated embedding and hnorm of the rotated main stream). Writers: o_proj, every down_proj, eh_proj.
-Where a rotation cannot be fused, and what is done instead:
-- inside MLA the latents (q_a_layernorm, kv_a_layernorm, the [c_kv | k_pe] cache) and the indexer's
-  LayerNorm'd key are not on the residual stream: they stay unrotated (QuaRot's online Hadamards on values
-  and keys are not done; the cache stays BF16, so nothing there is quantized);
-- the inputs of o_proj and of every down_proj come from inside the block (attention output, SwiGLU
-  product): QuaRot rotates them with an online Hadamard before the matmul; not done here, so those INT8
-  activations keep their outliers (the calibration report shows only the two residual readers);
-- the MTP block reads model.norm's output with its weight (the released weights' contract, model.MTPBlock),
-  w ⊙ n(h), which no diagonal weight in the rotated basis gives: hnorm gets a D x D map before it,
-  `model.layers.{L}.hnorm.input_map` = Q^T diag(w) Q (quantized.MTPInputNorm; a reader that does not know
-  the name must skip it, and its MTP drafts are then off the contract, never its outputs);
-- lm_head is shared by the main stack (after model.norm) and the MTP block (after shared_head.norm), whose
-  norm weights differ, and one matrix can absorb only one: lm_head takes model.norm's, and the MTP block
-  gets its own head `model.layers.{L}.shared_head.head.weight` (the name the release already uses and
-  vLLM's MTP loader reads) with shared_head.norm's folded in. nanoGLM's engine calls the one lm_head after
-  shared_head.norm, so quantized.py maps the MTP head onto it with a D x D matrix found at load
-  (quantized.MTPHeadNorm), exact while lm_head's columns are independent (vocab > hidden).
-- the router and the MoE: nothing needed; the router reads the rotated stream (its fp32 matmul takes the
-  rotated weight), every expert's gate/up are readers and its down_proj a writer, each rotated per expert.
-
-Streaming: tensors are read one shard at a time, memory-mapped (weights.SafeFile), and each input shard
-becomes one output shard written before the next is opened, so the 744B release is quantized with about one
-shard of memory. --rotate first reads the residual-stream norm vectors (a few KB each) from every shard.
-
 Honest limits: round-to-nearest only (no GPTQ/AWQ: the report does not say its calibration method); no
-online Hadamards (see above); activations are quantized dynamically at run time, so no activation scales are
-stored; the KV cache is not quantized; --dry_run counts bytes from the shapes, it does not read a checkpoint.
-The rotation is a dense float64 D x D matmul per matrix (no fast Walsh-Hadamard transform): seconds for the
-toy, on the order of 1e16 flops for the 744B release. Loading a rotated checkpoint solves a least-squares
-problem over two (V, D) float64 heads for the MTP block (quantized.MTPHeadNorm): about 15 GB of memory for
-GLM-5's 154,880 x 6,144 head.
+online Hadamards, so the INT8 inputs of o_proj and every down_proj keep their outliers (see the QuaRot
+section); activations are quantized dynamically at run time, so no activation scales are stored; the KV
+cache is not quantized; --dry_run counts bytes from the shapes, it does not read a checkpoint. The rotation
+is a dense float64 D x D matmul per matrix (no fast Walsh-Hadamard transform): seconds for the toy, on the
+order of 1e16 flops for the 744B release. Loading a rotated checkpoint solves a least-squares problem over
+two (V, D) float64 heads for the MTP block (quantized.MTPHeadNorm): about 15 GB of memory for GLM-5's
+154,880 x 6,144 head.
 """
 
 import argparse
@@ -107,6 +42,27 @@ from model import GLM5, ModelConfig, load_config_file
 
 # -----------------------------------------------------------------------------
 # The scheme: which module gets which format (module names as the checkpoint names them)
+#
+# What goes where (--scheme w4a8; w8a8 makes the experts INT8 too):
+#     routed experts (gate/up/down_proj)               INT4 weights, symmetric, per channel (or --group_size)
+#     q_b_proj, o_proj, indexer wq_b, dense MLP,       INT8 weights, symmetric, per output channel
+#     shared expert
+#     q_a_proj, kv_a_proj_with_mqa, kv_b_proj,         kept in BF16 (the report's list), and MTP's eh_proj
+#     indexer wk / weights_proj, router, lm_head,
+#     embeddings, norms
+#     activations of every INT8/INT4 layer             INT8, per token, dynamic, symmetric (at run time)
+#
+# The config follows compressed-tensors' public source (github.com/neuralmagic/compressed-tensors, now
+# vllm-project/compressed-tensors: quantization/quant_args.py, quant_scheme.py, quant_config.py and
+# config/base.py's CompressionFormat), written by hand since the library is not a dependency:
+# quantization_config = {quant_method "compressed-tensors", format "mixed-precision" when the groups differ
+# (else the one format), quantization_status "compressed", config_groups {group_i: {targets, weights,
+# input_activations, output_activations, format}}, ignore, kv_cache_scheme}; strategy "channel" / "group"
+# (with group_size) for weights, "token" with dynamic true for activations; targets are module names, "re:"
+# regexes matched from the start of the name, or class names; `ignore` lists modules kept as they are.
+# llm-compressor's MoE examples (github.com/vllm-project/llm-compressor, examples/) ignore lm_head and the
+# router ("re:.*mlp.gate$") as here; they target "Linear", where the targets here are regexes that name
+# exactly the quantized modules (so a reader that does not apply `ignore` still finds the right ones).
 
 EXPERT_TARGETS = [r"re:.*mlp\.experts\.\d+\.(gate|up|down)_proj$"]
 INT8_TARGETS = [
@@ -188,6 +144,18 @@ def quantization_config(groups, ignore):
 
 # -----------------------------------------------------------------------------
 # Weight quantization: the compressed-tensors scale rule, round to nearest
+#
+# From compressed-tensors' quantization/utils/helpers.py calculate_qparams: symmetric
+# scale = max|w| / ((q_max - q_min) / 2), that is max|w| / 7.5 for INT4 and / 127.5 for INT8, clamped to fp32
+# eps; quantize = round(w / scale) clamped to [q_min, q_max]. The scale is stored in the weights' dtype; here
+# it is rounded to that dtype first (up, when the cast would lower it: then max|w| / scale <= 7.5 still and
+# the clamp costs at most half a step) and the weights are quantized with the rounded scale in fp32, so every
+# dequantized value is within half a step of the original (tests/test_quantize.py).
+# The stored tensors, from compressors/quantized_compressors/pack_quantized.py (pack_to_int32,
+# compression_param_names): INT4 as `weight_packed` int32 [out, ceil(in/8)], 8 values per word along the
+# input dimension, each stored as value + 8, the first in the lowest 4 bits, the row zero-padded;
+# `weight_shape` [out, in] (torch.tensor of the shape: int64); `weight_scale`; no zero point when symmetric.
+# INT8 ("int-quantized", the naive compressor): `weight` int8 [out, in] and `weight_scale`.
 
 
 def round_scale(scale, dtype):
@@ -239,6 +207,16 @@ def quantized_tensors(module, w, num_bits, group_size, scale_dtype):
 
 # -----------------------------------------------------------------------------
 # QuaRot: a randomized Hadamard on the residual stream, fused into the weights
+#
+# QuaRot (Ashkboos et al. 2024, arXiv 2404.00456, section 4): RMSNorm(h) * w followed by a linear W equals
+# RMSNorm(h) followed by W diag(w) (fold the norm's weight into the readers), and RMSNorm commutes with an
+# orthogonal Q (it only divides by the row's RMS, which Q keeps): so the residual stream can carry h Q instead
+# of h when every reader's weight becomes W diag(w) Q, every writer's becomes Q^T W and the embedding E Q. The
+# model computes the same function (tests: float64 logits equal), but the activations the INT8 quantizer sees
+# are h Q, whose outliers a random Hadamard Q spreads over all channels. Q = diag(random signs) H / sqrt(D); H
+# is Sylvester's for D = 2^k and Paley's 12 x 12 (q = 11) Kronecker Sylvester's for D = 12 * 2^k (GLM-5's 6144
+# = 12 * 512, the toy test's 48 = 12 * 4); any other D gets a random orthogonal matrix (QR of a Gaussian),
+# exact as well, only denser to apply.
 
 
 def sylvester(n):
@@ -287,6 +265,11 @@ def rotation(dim, seed=0):
     return signs[:, None] * H / math.sqrt(dim)
 
 
+# Readers of the residual stream here: q_a_proj, kv_a_proj_with_mqa and the indexer's wk / weights_proj (after
+# input_layernorm); the dense MLP's, the shared expert's and every routed expert's gate/up and the router
+# (after post_attention_layernorm); lm_head (after model.norm); MTP's eh_proj (after enorm of the rotated
+# embedding and hnorm of the rotated main stream). Writers: o_proj, every down_proj, eh_proj.
+#
 # residual-stream norms (their weights are folded into the readers, then set to 1), by name within a layer
 RESIDUAL_NORMS = (
     "input_layernorm.weight",
@@ -309,6 +292,25 @@ def is_residual_norm(name):
     return name == "model.norm.weight" or any(name.endswith("." + n) for n in RESIDUAL_NORMS)
 
 
+# Where a rotation cannot be fused, and what is done instead:
+# - inside MLA the latents (q_a_layernorm, kv_a_layernorm, the [c_kv | k_pe] cache) and the indexer's
+#   LayerNorm'd key are not on the residual stream: they stay unrotated (QuaRot's online Hadamards on values
+#   and keys are not done; the cache stays BF16, so nothing there is quantized);
+# - the inputs of o_proj and of every down_proj come from inside the block (attention output, SwiGLU product):
+#   QuaRot rotates them with an online Hadamard before the matmul; not done here, so those INT8 activations
+#   keep their outliers (the calibration report shows only the two residual readers);
+# - the MTP block reads model.norm's output with its weight (the released weights' contract, model.MTPBlock),
+#   w ⊙ n(h), which no diagonal weight in the rotated basis gives: hnorm gets a D x D map before it,
+#   `model.layers.{L}.hnorm.input_map` = Q^T diag(w) Q (quantized.MTPInputNorm; a reader that does not know
+#   the name must skip it, and its MTP drafts are then off the contract, never its outputs);
+# - lm_head is shared by the main stack (after model.norm) and the MTP block (after shared_head.norm), whose
+#   norm weights differ, and one matrix can absorb only one: lm_head takes model.norm's, and the MTP block
+#   gets its own head `model.layers.{L}.shared_head.head.weight` (the name the release already uses and vLLM's
+#   MTP loader reads) with shared_head.norm's folded in. nanoGLM's engine calls the one lm_head after
+#   shared_head.norm, so quantized.py maps the MTP head onto it with a D x D matrix found at load
+#   (quantized.MTPHeadNorm), exact while lm_head's columns are independent (vocab > hidden).
+# - the router and the MoE: nothing needed; the router reads the rotated stream (its fp32 matmul takes the
+#   rotated weight), every expert's gate/up are readers and its down_proj a writer, each rotated per expert.
 def rotate_tensor(name, t, norms, Q):
     """One checkpoint tensor -> its rotated form (in Q's dtype), with the residual norms folded in.
     norms: {name: the original weight} of every residual-stream norm. Anything off the residual stream
@@ -433,6 +435,10 @@ def print_outlier_table(before, after, log=print):
 
 # -----------------------------------------------------------------------------
 # The source checkpoint, one shard at a time
+#
+# Streaming: tensors are read one shard at a time, memory-mapped (weights.SafeFile), and each input shard
+# becomes one output shard written before the next is opened, so the 744B release is quantized with about one
+# shard of memory. --rotate first reads the residual-stream norm vectors (a few KB each) from every shard.
 
 
 def open_source(path):

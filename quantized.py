@@ -2,19 +2,9 @@
 The runtime of a quantized GLM-5 (GLM-5 report, arXiv 2602.15763, its deployment section: W4A8 experts,
 W8A8 attention and dense MLPs): the quantized modules and the loader that swaps them in by the checkpoint's
 quantization_config, as gpt-fast's loader swaps modules by the scheme's name. quantize.py writes these
-checkpoints (its docstring has the layout and the compressed-tensors sources it follows).
-
-- QuantLinear: an INT8 weight (int-quantized) or INT4 words (pack-quantized) with per-channel or per-group
-  scales; its input quantized to INT8 per token at run time, an integer matmul, the scales after.
-- QuantExperts: one MoE layer's routed experts, stacked as experts.Experts stacks them (gate_up (E, 2F, .),
-  down (E, D, .)), run by kernels_quant.w4a8_experts (INT4) or expert by expert through w8a8_linear (INT8).
-- MTPHeadNorm: the MTP block's shared_head.norm when the checkpoint carries its own MTP head (a rotated
-  checkpoint does, quantize.py says why): the norm followed by the D x D map that makes the shared lm_head
-  compute the MTP head's logits. MTPInputNorm: a rotated checkpoint's hnorm, which maps its input back to
-  the post-norm hidden state the released MTP contract hands the block.
-- from_pretrained(directory): config.json's quantization_config checked (one sentence naming the field
-  for anything not supported), the model built on the meta device, every targeted module swapped, then
-  the shards copied in one by one, as weights.from_pretrained does for BF16 checkpoints (which calls this).
+checkpoints (the layout and the compressed-tensors sources it follows are at its scheme and weight
+sections). The modules (QuantLinear, QuantExperts, MTPHeadNorm, MTPInputNorm) and from_pretrained are
+described at their sections below.
 
     python serve.py --ckpt /tmp/q/w4a8          # weights.from_pretrained sends a quantized directory here
     python -m pytest -q tests/test_quantize.py
@@ -43,6 +33,15 @@ from model import GLM5, MoE
 
 # -----------------------------------------------------------------------------
 # The quantized modules
+#
+# - QuantLinear: an INT8 weight (int-quantized) or INT4 words (pack-quantized) with per-channel or per-group
+#   scales; its input quantized to INT8 per token at run time, an integer matmul, the scales after.
+# - QuantExperts: one MoE layer's routed experts, stacked as experts.Experts stacks them (gate_up (E, 2F, .),
+#   down (E, D, .)), run by kernels_quant.w4a8_experts (INT4) or expert by expert through w8a8_linear (INT8).
+# - MTPHeadNorm: the MTP block's shared_head.norm when the checkpoint carries its own MTP head (a rotated
+#   checkpoint does, quantize.py says why): the norm followed by the D x D map that makes the shared lm_head
+#   compute the MTP head's logits. MTPInputNorm: a rotated checkpoint's hnorm, which maps its input back to
+#   the post-norm hidden state the released MTP contract hands the block.
 
 
 class QuantLinear(nn.Module):
@@ -272,6 +271,10 @@ def scheme_of(module, groups, ignore):
 
 # -----------------------------------------------------------------------------
 # Build the quantized model and load a checkpoint into it
+#
+# from_pretrained(directory): config.json's quantization_config checked (one sentence naming the field for
+# anything not supported), the model built on the meta device, every targeted module swapped, then the shards
+# copied in one by one, as weights.from_pretrained does for BF16 checkpoints (which calls this).
 
 
 def set_module(root, dotted, new):

@@ -3,32 +3,11 @@ The sandbox that runs model-written code and shell commands for the RL environme
 2602.15763, its agentic RL sections: the environments execute what the model writes and verify the result).
 envs.py uses it.
 
-One Sandbox is one private, throwaway work dir; each run() is a fresh bubblewrap (`bwrap`) container over it:
-
-    bwrap: own user, pid, network, ipc, uts (and cgroup) namespaces; uid 65534 inside
-      /usr, /bin, /lib... read-only       /work  the work dir (read-write; a size-capped tmpfs as root)
-      /proc fresh (only the sandbox's)    /tmp, /dev/shm  private size-capped tmpfs, gone after the run
-      /dev minimal                        /sandbox/...  read-only files that exist only for this run (memfds)
-      nothing else: no /home, /root, /var, /run, no host /tmp, no network but its own loopback
-      -> prlimit (CPU, address space, file size, open files, processes, no core) -> the command
-
-- An unprivileged uid outside too: when the caller is root, bwrap itself is started as uid 65534, so the
-  sandbox is nobody on the host. Were it mapped to root (bwrap --uid as root), the kernel would skip
-  RLIMIT_NPROC for it and a fork bomb would run free.
-- The limits are set inside, after the namespaces exist, so RLIMIT_NPROC counts this sandbox's processes
-  only and two sandboxes cannot starve each other's process budget.
-- The environment is empty: bwrap itself is started with env={} (it becomes the sandbox's pid 1, so
-  /proc/1/environ is empty too) and the command gets only PATH, HOME, LANG.
-- Wall clock: bwrap --info-fd tells us the host pid of the sandbox's pid 1, which we hold as a pidfd (never
-  a recycled pid); killing it makes the kernel kill every process in the pid namespace, children that called
-  setsid and double-forked included. When the command exits on its own, bwrap returns at once, so run()
-  kills pid 1 anyway and waits for its exit: only then is the namespace empty. --die-with-parent covers our
-  own death.
-- Output: stdout and stderr are read as they come; past `output_bytes` the run is killed and cut.
-- Host-side file access (write/read/listdir) walks the work dir with O_NOFOLLOW, so a symlink planted by the
-  sandbox (answer.txt -> /etc/shadow) cannot make the host, maybe root, read or write outside it.
-- Without a working bwrap, `sandboxed` is False, `why` says why, and run() refuses (SandboxUnavailable):
-  nothing ever runs unsandboxed.
+One Sandbox is one private, throwaway work dir; each run() is a fresh bubblewrap (`bwrap`) container over
+it: its own namespaces, an unprivileged uid inside and out, an empty environment, prlimit limits set inside,
+a wall clock that kills the whole pid namespace, capped output. Without a working bwrap, `sandboxed` is
+False, `why` says why, and run() refuses (SandboxUnavailable): nothing ever runs unsandboxed. The container
+and the reason for each choice are described at the Sandbox class.
 
 Run it:
     python sandbox.py                        # per-execution overhead: sandboxed vs plain, side by side
@@ -185,6 +164,31 @@ def remove_workdir(path, mounted):
 
 # -----------------------------------------------------------------------------
 # The sandbox
+#
+# Each run() is a fresh bubblewrap (`bwrap`) container over the work dir:
+#
+#   bwrap: own user, pid, network, ipc, uts (and cgroup) namespaces; uid 65534 inside
+#     /usr, /bin, /lib... read-only       /work  the work dir (read-write; a size-capped tmpfs as root)
+#     /proc fresh (only the sandbox's)    /tmp, /dev/shm  private size-capped tmpfs, gone after the run
+#     /dev minimal                        /sandbox/...  read-only files that exist only for this run (memfds)
+#     nothing else: no /home, /root, /var, /run, no host /tmp, no network but its own loopback
+#     -> prlimit (CPU, address space, file size, open files, processes, no core) -> the command
+#
+# - An unprivileged uid outside too: when the caller is root, bwrap itself is started as uid 65534, so the
+#   sandbox is nobody on the host. Were it mapped to root (bwrap --uid as root), the kernel would skip
+#   RLIMIT_NPROC for it and a fork bomb would run free.
+# - The limits are set inside, after the namespaces exist, so RLIMIT_NPROC counts this sandbox's processes
+#   only and two sandboxes cannot starve each other's process budget.
+# - The environment is empty: bwrap itself is started with env={} (it becomes the sandbox's pid 1, so
+#   /proc/1/environ is empty too) and the command gets only PATH, HOME, LANG.
+# - Wall clock: bwrap --info-fd tells us the host pid of the sandbox's pid 1, which we hold as a pidfd (never
+#   a recycled pid); killing it makes the kernel kill every process in the pid namespace, children that called
+#   setsid and double-forked included. When the command exits on its own, bwrap returns at once, so run()
+#   kills pid 1 anyway and waits for its exit: only then is the namespace empty. --die-with-parent covers our
+#   own death.
+# - Output: stdout and stderr are read as they come; past `output_bytes` the run is killed and cut.
+# - Host-side file access (write/read/listdir) walks the work dir with O_NOFOLLOW, so a symlink planted by the
+#   sandbox (answer.txt -> /etc/shadow) cannot make the host, maybe root, read or write outside it.
 
 
 class Sandbox:

@@ -4,47 +4,19 @@ continuous batching, sampling and MTP speculative decoding live in engine.py). I
 format (chat.py: GLM-4.7's template, which the GLM-5 release uses; thinking modes of the GLM-5 report's
 post-training, on or off through chat_template_kwargs; tools and tool calls), so a model trained here and
 the public release are prompted the same way. Which request fields are taken, refused or ignored, and how
-a request becomes a prompt and a reply becomes text, is protocol.py.
+a request becomes a prompt and a reply becomes text, is protocol.py; the routes, streaming, token ids,
+weight updates for RL rollouts and errors are described at the handler below.
 
-    GET, HEAD  /health, /v1/models, /v1/models/{id}
-    POST       /v1/completions        {"prompt": text or token ids, ...}
-    POST       /v1/chat/completions   {"messages": [...], "tools": [...], "chat_template_kwargs": {...}}
-    POST       /update_weights_from_disk  {"model_path": a save_pretrained directory, "weight_version": N}
-
-- "stream": true -> server-sent events ending `data: [DONE]`. A stream's deltas concatenate to exactly
-  the non-streamed reply (text, reasoning_content and content alike): both come from one parser
-  (protocol.ChatDeltas), which holds back a possible start of a stop string and trailing whitespace until
-  the text that follows decides them.
-- "return_token_ids": true -> the prompt's and the completion's token ids (token in, token out: an RL
-  trainer never re-tokenizes text), and "token_versions": the policy version that sampled each token.
-- Weight updates for RL rollouts (the GLM-5 report's asynchronous agentic RL infrastructure: rollout engines
-  keep serving while the trainer pushes weights): POST /update_weights_from_disk, the route and field names
-  of SGLang's, which RL frameworks built on SGLang (AReaL among them) call, takes a directory that
-  weights.save_pretrained wrote and a weight_version above the current one (409 otherwise; 400 for a missing
-  directory or other shapes, the served weights untouched). The handler thread reads the tensors while the
-  engine keeps decoding; the swap then happens between two engine steps (engine.Engine.update_weights): the
-  prefix cache is flushed, and requests in flight continue on the new weights with their cache recomputed,
-  each token tagged with the version that sampled it. /health and /v1/models report "weight_version".
-- Tools: OpenAI's "tools" list is written into the prompt as GLM-5's template writes it, the model's
-  <tool_call> blocks come back as "tool_calls" (finish_reason "tool_calls"; streamed whole, one delta per
-  call), and an assistant message with tool_calls (content may be null) followed by "tool" messages
-  continues the conversation.
-- Errors, from any layer (a bad field, a wrong method, a malformed request line, too many headers), are
-  JSON {"error": {message, type, param, code}} with the HTTP status that fits (400, 404, 405 with Allow,
-  411, 413, 414, 431, 501, 503). A client that hangs up mid-request is noticed at the next engine step:
-  its request leaves the engine, streaming or not.
-
-Run it:
     python serve.py --ckpt out/ckpt.pt --port 8000       # a train.py checkpoint or a save_pretrained dir
     python serve.py --ckpt out/ckpt.pt --spec 3          # with MTP speculative decoding, 3 drafts per step
     python serve.py --ckpt out/ckpt.pt --compile         # prefill and decode through torch.compile
     python serve.py --ckpt out/ckpt.pt --index_quant int8   # the DSA indexer in int8 (dsa.py)
     python serve.py --ckpt out_sft/ckpt.pt --chat        # terminal chat, thinking shown dimmed
     python serve.py --ckpt /tmp/q/w4a8                   # a W4A8 / W8A8 directory written by quantize.py
-(Chat with the SFT checkpoint: a pretrained-only one continues text and never learned the chat format.
-A --ckpt directory that holds a tokenizer.json, as a Hugging Face release does, is served with it.)
     curl localhost:8000/v1/chat/completions -d '{"messages": [{"role": "user", "content": "hi"}]}'
 Tests: python -m pytest -q tests/test_serve.py
+(Chat with the SFT checkpoint: a pretrained-only one continues text and never learned the chat format.
+A --ckpt directory that holds a tokenizer.json, as a Hugging Face release does, is served with it.)
 
 Honest limits: stdlib http.server, one thread per connection and one engine thread; no authentication,
 no TLS, no chunked request bodies, n = 1; no constrained decoding (protocol.py says what that refuses).
@@ -89,6 +61,34 @@ from tokenizer import Tokenizer, from_tokenizer_json, get_tokenizer
 
 # -----------------------------------------------------------------------------
 # The handler: one thread per connection; the engine runs in its own thread (make_server)
+#
+#     GET, HEAD  /health, /v1/models, /v1/models/{id}
+#     POST       /v1/completions        {"prompt": text or token ids, ...}
+#     POST       /v1/chat/completions   {"messages": [...], "tools": [...], "chat_template_kwargs": {...}}
+#     POST       /update_weights_from_disk  {"model_path": a save_pretrained directory, "weight_version": N}
+#
+# - "stream": true -> server-sent events ending `data: [DONE]`. A stream's deltas concatenate to exactly the
+#   non-streamed reply (text, reasoning_content and content alike): both come from one parser
+#   (protocol.ChatDeltas), which holds back a possible start of a stop string and trailing whitespace until
+#   the text that follows decides them.
+# - "return_token_ids": true -> the prompt's and the completion's token ids (token in, token out: an RL
+#   trainer never re-tokenizes text), and "token_versions": the policy version that sampled each token.
+# - Weight updates for RL rollouts (the GLM-5 report's asynchronous agentic RL infrastructure: rollout engines
+#   keep serving while the trainer pushes weights): POST /update_weights_from_disk, the route and field names
+#   of SGLang's, which RL frameworks built on SGLang (AReaL among them) call, takes a directory that
+#   weights.save_pretrained wrote and a weight_version above the current one (409 otherwise; 400 for a missing
+#   directory or other shapes, the served weights untouched). The handler thread reads the tensors while the
+#   engine keeps decoding; the swap then happens between two engine steps (engine.Engine.update_weights): the
+#   prefix cache is flushed, and requests in flight continue on the new weights with their cache recomputed,
+#   each token tagged with the version that sampled it. /health and /v1/models report "weight_version".
+# - Tools: OpenAI's "tools" list is written into the prompt as GLM-5's template writes it, the model's
+#   <tool_call> blocks come back as "tool_calls" (finish_reason "tool_calls"; streamed whole, one delta per
+#   call), and an assistant message with tool_calls (content may be null) followed by "tool" messages
+#   continues the conversation.
+# - Errors, from any layer (a bad field, a wrong method, a malformed request line, too many headers), are JSON
+#   {"error": {message, type, param, code}} with the HTTP status that fits (400, 404, 405 with Allow, 411,
+#   413, 414, 431, 501, 503). A client that hangs up mid-request is noticed at the next engine step: its
+#   request leaves the engine, streaming or not.
 
 GET_ROUTES = ("/health", "/v1/models")
 WEIGHTS_ROUTE = "/update_weights_from_disk"
@@ -310,7 +310,7 @@ class Handler(BaseHTTPRequestHandler):
                 r.aborted = True
 
     def update_weights(self, body):
-        """Load a new policy version (see the docstring: SGLang's route and field names). This thread
+        """Load a new policy version (see the handler's comment: SGLang's route and field names). This thread
         reads the tensors; the engine swaps them in between two of its steps."""
         for name in sorted(set(body) - {"model_path", "weight_version"}):
             message = f"unknown field '{name}' ({WEIGHTS_ROUTE} takes model_path and weight_version)"

@@ -3,20 +3,11 @@ The SFT data: conversations in GLM-5's chat format (chat.py), generated offline,
 in packed rows (GLM-5 report, arXiv 2602.15763, its post-training sections: SFT with the three thinking
 modes, before RL).
 
-Two sources, one format (the OpenAI-style messages that chat.render takes):
-- The standard library (data.py's corpus, the same by-file train/val split): every top-level function and
-  method with a docstring becomes a conversation. The user asks for it by its signature and docstring
-  summary; the assistant writes it, with reasoning read off its code by `ast` (arguments, returns, raises,
-  calls, length). Some conversations call a `help` tool on a helper the function uses and get the helper's
-  real docstring back (interleaved thinking); some go on with a second turn that asks about the function,
-  with thinking switched on or off for that turn (turn-level thinking) and sometimes kept across turns
-  (preserved thinking).
-- Solved episodes of envs.py's environments: each task's own solution played against the real environment
-  through rollout.py's system prompt, checked to earn reward 1, written as JSONL (`--sft`), mixed in with
-  train.py's `sft_extra`.
-
-prepare_sft() renders every conversation into one packed stream of ids with a loss mask and caches it;
-SFTLoader draws rows that start at a conversation.
+Two sources, one format (the OpenAI-style messages that chat.render takes), each described at its section:
+the standard library's documented functions (data.py's corpus, the same by-file train/val split), written
+by the assistant with reasoning read off their code, and solved episodes of envs.py's environments (`--sft`,
+mixed in with train.py's `sft_extra`). prepare_sft() renders every conversation into one packed stream of
+ids with a loss mask and caches it; SFTLoader draws rows that start at a conversation.
 
 Run it:
     python sft_data.py                        # one rendered example per thinking mode (trained spans in
@@ -199,6 +190,14 @@ def reasoning_for(fn):
 
 # -----------------------------------------------------------------------------
 # Conversations: write a function, look up a helper with a tool, answer a follow-up question
+#
+# The standard library (data.py's corpus, the same by-file train/val split): every top-level function and
+# method with a docstring becomes a conversation. The user asks for it by its signature and docstring summary;
+# the assistant writes it, with reasoning read off its code by `ast` (arguments, returns, raises, calls,
+# length). Some conversations call a `help` tool on a helper the function uses and get the helper's real
+# docstring back (interleaved thinking); some go on with a second turn that asks about the function, with
+# thinking switched on or off for that turn (turn-level thinking) and sometimes kept across turns (preserved
+# thinking).
 
 SYSTEM = "You are a careful Python programmer who writes standard-library style code."
 # The tool of the "tool" conversations, in OpenAI's request shape: chat.render writes it into the tool list's
@@ -490,6 +489,9 @@ class SFTLoader:
 
 # -----------------------------------------------------------------------------
 # Solved environment episodes: the task's own solution, observations from the real environment
+#
+# Each task's own solution is played against the real environment through rollout.py's system prompt, checked
+# to earn reward 1, written as JSONL (`--sft`), and mixed in with train.py's `sft_extra`.
 
 
 def play_solution(env, seed):

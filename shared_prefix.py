@@ -5,22 +5,8 @@ encodes that prompt once and runs only each sample's own tokens against it (Pref
 trainer's forward for GRPO's groups (GLM-5 report: its RL sections compare the samples of one prompt), not
 a change of the algorithm: the logprobs and the gradients equal one forward per sample, up to float
 rounding. The prefix's latents are computed once with autograd on, every sample's suffix attends to them,
-and backward adds each sample's gradient into the one copy.
-
-How, with model.GLM5 unchanged: its forward takes a cache whose write(layer, positions, latent, index_k)
-returns every key a query may see. PrefixCache is such a cache, built for training:
-- the prefix pass (one row per group, right-padded, positions 0..P-1) keeps each layer's latents and index
-  keys and returns them;
-- the suffix pass (one row per sample, positions P..) returns, per row, its group's P prefix keys followed
-  by its own, gathered out of place (index_select: a copy per row, kept for backward) so that autograd sees
-  one graph.
-MLA then attends exactly as over a decode cache (query at position p sees keys 0..p), and DSA's indexer
-selects among the same keys at the same positions as in the sample's own forward. Every micro-batch is
-these two forwards, whatever it holds, so ranks under FSDP2 run the same collectives.
-
-On the toy RL run a search or terminal row is about 320 tokens, 250-280 of them prompt (the system block
-with the tool list, the task), and a group holds 8 samples: a step runs about a quarter of the tokens
-(README: the RL section, with the step measured side by side, bench_rl.py part 3).
+and backward adds each sample's gradient into the one copy (how, with model.GLM5 unchanged: at
+PrefixCache). The saving on the toy RL run is measured by bench_rl.py part 3 (docs/design-notes.md).
 
 Run it:  python shared_prefix.py      # a random tiny GLM-5: shared vs one forward per sample
 Tests:   python -m pytest -q tests/test_rl.py -k "shared or units"
@@ -75,10 +61,22 @@ def prefix_units(rows, groups):
 
 # -----------------------------------------------------------------------------
 # A cache that holds the prefixes, with autograd
+#
+# How, with model.GLM5 unchanged: its forward takes a cache whose write(layer, positions, latent, index_k)
+# returns every key a query may see. PrefixCache is such a cache, built for training:
+# - the prefix pass (one row per group, right-padded, positions 0..P-1) keeps each layer's latents and index
+#   keys and returns them;
+# - the suffix pass (one row per sample, positions P..) returns, per row, its group's P prefix keys followed
+#   by its own, gathered out of place (index_select: a copy per row, kept for backward) so that autograd sees
+#   one graph.
+#
+# MLA then attends exactly as over a decode cache (query at position p sees keys 0..p), and DSA's indexer
+# selects among the same keys at the same positions as in the sample's own forward. Every micro-batch is these
+# two forwards, whatever it holds, so ranks under FSDP2 run the same collectives.
 
 
 class PrefixCache:
-    """model.KVCache's write API over the prefixes of a batch (see the module docstring).
+    """model.KVCache's write API over the prefixes of a batch (see the comment above).
     The prefix pass runs one row per unit, (U, Pmax) right-padded, and the cache keeps each layer's latents
     and index keys. The suffix pass runs one row per sample, starting at its unit's P; each row's keys are
     its unit's P prefix keys, then its own, then zeros (beyond the row's last position: never visible),

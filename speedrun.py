@@ -7,23 +7,13 @@ in one command, with a report card.
         episodes -> SFT -> SFT on the episodes alone -> RL (rl_async.py, async) -> quantize (W4A8 + rotation,
         W8A8) -> evaluations -> report.md + PNGs
 
-The copy warm-up is not a stage of the report: it is the toy's aid. Induction heads, the attention that
-copies a token from where it occurred before, form early in a large model's pretraining (Olsson et al. 2022,
-arXiv 2209.11895); the toy's few million tokens of code do not form them, and without them the toy cannot
-carry a name from a prompt into a tool call. A few minutes of copy rows first do (README: the RL section).
-
-Each stage is a subprocess of the project's own scripts (train.py, sft_data.py, rl_async.py, quantize.py,
-speedrun_eval.py), so a failure stays in its process, is named in one sentence with its log file, and leaves
-the earlier stages' checkpoints as they are. Everything a run writes goes to runs/<run>/<stage>/ (ckpt.pt,
-metrics.jsonl, log.txt, and done.json once the stage finished); a stage whose done.json is there is skipped,
-and a stage that was stopped midway resumes from its own last checkpoint (train.py's and rl_async.py's
---resume=True), so a re-run continues where the last one stopped. runs/<run>/report.md (speedrun_report.py)
-is rewritten after every stage. The tokenized corpus is the one shared cache outside the run (data/, as
-README's two commands make it).
+The copy warm-up is the toy's aid, not a stage of the report (why: at the stage settings below). Each stage
+is a subprocess of the project's own scripts writing to runs/<run>/<stage>/; a finished stage is skipped and
+a stopped one resumes, so a re-run continues where the last one stopped (see "The stages" below).
 
 Run it:
-    python speedrun.py                               # the workshop run, 2-core CPU (--preset cpu): ~37 min
-    python speedrun.py --preset tiny --run tiny      # a few steps per stage: the plumbing in about a minute
+    python speedrun.py                               # the workshop run, 2-core CPU (--preset cpu)
+    python speedrun.py --preset tiny --run tiny      # a few steps per stage: the plumbing only
     python speedrun.py --device cuda --config configs/small.py --preset gpu --run small
     python speedrun.py --set pretrain.max_iters=300 --set rl.max_steps=10   # any stage setting, per run
     python speedrun.py --report_only                 # rewrite report.md from what runs/<run>/ holds
@@ -33,9 +23,8 @@ Honest limits: the stages and their order follow the report; their lengths are w
 cores, thousands of times less than GLM-5's (the report card sets each figure beside the report's own). The
 RL stage starts serve.py replicas on loopback ports (configs/rl_toy.py's two), so on a 2-core CPU the
 trainer and the replicas share the cores. A stage's settings are checked by the script that runs them (an
-unknown key is that script's one-sentence error, which the stage's failure line points to). The gpu preset has
-not been run; its numbers are a starting point. On one H100 the tiny preset ran through the sparse stage
-(the machine had no bubblewrap, so the environment episodes stopped it: README, Benchmarks).
+unknown key is that script's one-sentence error, which the stage's failure line points to). The gpu preset
+has not been run; its numbers are a starting point (run records: docs/design-notes.md).
 """
 
 import argparse
@@ -69,6 +58,11 @@ def train_stages_tuned():
 # -----------------------------------------------------------------------------
 # The stage settings, one table per preset. Train stages take train.py's keys, rl takes rl_async.py's,
 # episodes the solved conversations per environment, eval the sizes of speedrun_eval.py's measurements.
+#
+# The copy warm-up is not a stage of the report: it is the toy's aid. Induction heads, the attention that
+# copies a token from where it occurred before, form early in a large model's pretraining (Olsson et al. 2022,
+# arXiv 2209.11895); the toy's few million tokens of code do not form them, and without them the toy cannot
+# carry a name from a prompt into a tool call. A few minutes of copy rows first do (README: the RL section).
 
 PRESETS = {
     # the test's: a few steps per stage, only the plumbing (its numbers are noise)
@@ -202,6 +196,15 @@ def as_flags(settings):
 
 # -----------------------------------------------------------------------------
 # The stages: what each one runs, and where it writes
+#
+# Each stage is a subprocess of the project's own scripts (train.py, sft_data.py, rl_async.py, quantize.py,
+# speedrun_eval.py), so a failure stays in its process, is named in one sentence with its log file, and leaves
+# the earlier stages' checkpoints as they are. Everything a run writes goes to runs/<run>/<stage>/ (ckpt.pt,
+# metrics.jsonl, log.txt, and done.json once the stage finished); a stage whose done.json is there is skipped,
+# and a stage that was stopped midway resumes from its own last checkpoint (train.py's and rl_async.py's
+# --resume=True), so a re-run continues where the last one stopped. runs/<run>/report.md (speedrun_report.py)
+# is rewritten after every stage. The tokenized corpus is the one shared cache outside the run (data/, as
+# README's two commands make it).
 
 
 def stage_dir(run_dir, name):

@@ -1,22 +1,13 @@
 """
 The workshop run's measurements (speedrun.py's eval stages), each one part run as its own process and written
-as one JSON file the report card reads (speedrun_report.py):
+as one JSON file the report card reads (speedrun_report.py), each described at its section below:
 
 - dsa: the sparse model's val loss against the dense model's on the same held-out batches (the GLM-5
-  report's DSA section: the sparse adaptation is nearly lossless), and a long-context probe, the report's
-  RULER ablation of DSA against sliding-window attention in miniature: a passkey line at the start of a
-  context of held-out code, asked for again at its end. The same sparse model scores the answer twice with
-  the same budget of index_topk keys per query: once with the indexer's top-k (DSA), once with the last
-  index_topk positions (a sliding window, which cannot see the passkey). Reported: the answer's log-prob,
-  greedy accuracy, the log-prob gain over a control whose passkey line holds another number (what the
-  model took from the passkey at all), and how often the indexer's top-k holds the passkey's positions.
-  Both again with the selection scored in int8 (ModelConfig.index_quant, the serving engine's option).
-- quant: checkpoint bytes and val perplexity of BF16, W8A8 and W4A8 with rotation (bench_quant.py's
-  val_loss and bytes_per_token, on quantize.py's checkpoints from the run).
-- serve: every stage's checkpoint through engine.Engine (greedy tokens/s at one batch, a sample; the chat
-  checkpoints answer once in each thinking mode); the MTP accept length (bench_serve.bench_mtp) and the
-  prefix-cache hit rate of multi-turn rollouts on two serve.py replicas, DP-aware router vs round-robin
-  (bench_rl.main --parts cache).
+  report's DSA section: the sparse adaptation is nearly lossless), and a passkey probe at long context, the
+  report's RULER ablation of DSA against sliding-window attention in miniature.
+- quant: checkpoint bytes and val perplexity of BF16, W8A8 and W4A8 with rotation.
+- serve: every stage's checkpoint through engine.Engine, the MTP accept length and the prefix-cache hit rate
+  of multi-turn rollouts, DP-aware router vs round-robin.
 
 Run it (speedrun.py does, after the stages it reads):
     python speedrun_eval.py dsa --run_dir runs/cpu --settings '{"probes": 32, "probe_len": 256}' --out r.json
@@ -88,6 +79,16 @@ def set_dsa_mode(m, mode):
 
 # -----------------------------------------------------------------------------
 # dsa: sparse vs dense val loss, and the long-context probe
+#
+# The sparse model's val loss against the dense model's on the same held-out batches (the GLM-5 report's DSA
+# section: the sparse adaptation is nearly lossless), and a long-context probe, the report's RULER ablation of
+# DSA against sliding-window attention in miniature: a passkey line at the start of a context of held-out
+# code, asked for again at its end. The same sparse model scores the answer twice with the same budget of
+# index_topk keys per query: once with the indexer's top-k (DSA), once with the last index_topk positions (a
+# sliding window, which cannot see the passkey). Reported: the answer's log-prob, greedy accuracy, the
+# log-prob gain over a control whose passkey line holds another number (what the model took from the passkey
+# at all), and how often the indexer's top-k holds the passkey's positions. Both again with the selection
+# scored in int8 (ModelConfig.index_quant, the serving engine's option).
 
 
 def window_topk(q, w, k_all, last, topk, softmax_scale, rows=None, work=None):
@@ -241,6 +242,9 @@ def part_dsa(run_dir, s, dev):
 
 # -----------------------------------------------------------------------------
 # quant: bytes and perplexity per scheme
+#
+# Checkpoint bytes and val perplexity of BF16, W8A8 and W4A8 with rotation (bench_quant.py's val_loss and
+# bytes_per_token, on quantize.py's checkpoints from the run).
 
 
 def dir_bytes(directory):
@@ -300,6 +304,11 @@ def quant_batches(run_dir, n, block):
 
 # -----------------------------------------------------------------------------
 # serve: every checkpoint through the engine, MTP accept length, prefix-cache hits
+#
+# Every stage's checkpoint through engine.Engine (greedy tokens/s at one batch, a sample; the chat checkpoints
+# answer once in each thinking mode); the MTP accept length (bench_serve.bench_mtp) and the prefix-cache hit
+# rate of multi-turn rollouts on two serve.py replicas, DP-aware router vs round-robin (bench_rl.main --parts
+# cache).
 
 
 def greedy_tps(m, tok, prompts, n_new):

@@ -6,19 +6,9 @@ same kind on our own corpus (the Python standard library, data.py) instead of bo
 
     text -> regex pre-tokenizer (GPT-4 style split) -> chunks -> bytes -> BPE merges -> token ids
 
-- train_bpe: the 256 single bytes get ranks 0..255, then the most frequent adjacent pair (counted over
-  unique chunks weighted by frequency) is merged again and again; pair counts are updated incrementally
-  and ties go to the smallest pair of ids, so training is deterministic and takes seconds.
-- The result is tiktoken's `mergeable_ranks` (token bytes -> rank): tiktoken encodes by repeatedly
-  merging the adjacent pair whose concatenation has the lowest rank, which replays our merges in order.
-- Special tokens for GLM-5's chat format (chat.py; GLM-5 report, its post-training sections: the system,
-  user, assistant and observation roles, <think> blocks, tool calls with their <arg_key>/<arg_value> tags,
-  <tool_response> results, the [gMASK]<sop> prefix) take the ids right after the ranks.
-- get_tokenizer trains once on a sample of the corpus (data.corpus_sample) and caches a small JSON file;
-  re-runs load it (and retrain when the special tokens changed).
-- from_tokenizer_json reads a published tokenizer.json (GLM-5's: byte-level BPE, 154,880 ids) into the same
-  Tokenizer: ranks from its merges, special tokens from its added tokens, its own ids; serving a released
-  checkpoint uses it instead of ours.
+The special tokens are those of GLM-5's chat format (chat.py; GLM-5 report, its post-training sections).
+from_tokenizer_json reads a published tokenizer.json (GLM-5's own) into the same Tokenizer, for serving a
+released checkpoint. Training, encoding, the special tokens and the cache are described at their sections.
 
 Run it:
     python tokenizer.py            # train the toy (4096) tokenizer, print time, compression, a round trip,
@@ -57,6 +47,9 @@ SPLIT_PATTERN = (
 
 # The chat format's special tokens (chat.py), in the order of GLM-5's tokenizer.json; ids follow the mergeable
 # ranks. [gMASK]<sop> opens every prompt (a GLM pretraining mark kept by its chat template).
+# They cover the GLM-5 report's post-training format: the system, user, assistant and observation roles,
+# <think> blocks, tool calls with their <arg_key>/<arg_value> tags, <tool_response> results, the [gMASK]<sop>
+# prefix.
 CHAT_TOKENS = [
     "<|endoftext|>",  # end of a document in pretraining, end of a conversation in chat
     "[gMASK]",
@@ -79,6 +72,10 @@ CHAT_TOKENS = [
 
 # -----------------------------------------------------------------------------
 # BPE training
+#
+# train_bpe: the 256 single bytes get ranks 0..255, then the most frequent adjacent pair (counted over unique
+# chunks weighted by frequency) is merged again and again; pair counts are updated incrementally and ties go
+# to the smallest pair of ids, so training is deterministic and takes seconds.
 
 
 def train_bpe(text, vocab_size, pattern=SPLIT_PATTERN):
@@ -152,6 +149,10 @@ def train_bpe(text, vocab_size, pattern=SPLIT_PATTERN):
 
 # -----------------------------------------------------------------------------
 # The Tokenizer: tiktoken does the encoding, we keep the ranks
+#
+# The result of training is tiktoken's `mergeable_ranks` (token bytes -> rank): tiktoken encodes by
+# repeatedly merging the adjacent pair whose concatenation has the lowest rank, which replays our merges in
+# order.
 
 
 class Tokenizer:
@@ -243,6 +244,10 @@ class Tokenizer:
 
 # -----------------------------------------------------------------------------
 # A published tokenizer.json (GLM-5's own), read into the same wrapper
+#
+# GLM-5's is byte-level BPE, 154,880 ids. from_tokenizer_json makes the same Tokenizer from it: ranks from its
+# merges, special tokens from its added tokens, its own ids; serving a released checkpoint uses it instead of
+# ours.
 
 
 def bytes_to_unicode():
@@ -324,6 +329,9 @@ def from_tokenizer_json(path):
 
 # -----------------------------------------------------------------------------
 # Train once, cache
+#
+# get_tokenizer trains once on a sample of the corpus (data.corpus_sample) and caches a small JSON file;
+# re-runs load it (and retrain when the special tokens changed).
 
 
 def get_tokenizer(vocab_size=4096, cache_dir="data", sample_bytes=4_000_000, text=None, verbose=True):

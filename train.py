@@ -2,39 +2,8 @@
 Training GLM-5 (GLM-5 report, section 2: pre-training, mid-training and the two DSA adaptation stages;
 its post-training SFT; DeepSeek-V3.2 report for the indexer's KL stages): pretraining, the two DSA stages
 and SFT, with Muon (Muon Split) + AdamW, an MTP loss, aux-loss-free MoE balancing, and checkpoints that
-resume exactly.
+resume exactly. The stages are described at STAGES below, the step, evaluation and parallel plan at the run.
 
-    batch (torch.Generator = data position) -> GLM5 forward -> lm + w_mtp * mtp + 1e-4 * balance (+ KL)
-        -> backward (x grad_accum) -> clip -> Muon + AdamW step at lr(step) -> update_router_bias
-
-Stages (`stage`):
-- "pretrain":   dsa_mode "dense", everything trains on lm + MTP + balance.
-- "dsa_warmup": dsa_mode "dense", everything frozen except the indexers (`.indexer.` in the name); the
-                loss is the indexer KL only (GLM-5: 1000 steps, lr 5e-3 -> 2e-4).
-- "dsa_sparse": dsa_mode "sparse", everything trains; the model detaches the indexer's inputs, so the
-                indexer learns only from the KL and the rest only from the LM loss.
-- "sft":        dsa_mode "sparse" with the indexer KL, as dsa_sparse (GLM-5 post-trains the sparse
-                model), on sft_data.py's conversations: the loss counts only the assistant's own tokens
-                (its thinking, answers, tool calls, end of turn); rows are packed conversations.
-The pipeline is pretrain -> dsa_warmup -> dsa_sparse -> sft, each stage --init_from the one before (model
-weights only). A later stage without --init_from, or an out_dir holding another stage's checkpoint, stops
-with one sentence (--from_scratch=True and --overwrite=True allow them).
-
-Every evaluation logs the val loss and the copy probe (copy_probe.py): the loss on the second copy of a
-random sequence shown twice against the first, on all ids and on the corpus' 512 most frequent; a model
-with induction heads copies, the toy model after its CPU budget does not (configs/speedrun_stages.py).
-copy_frac > 0 puts synthetic copy rows (copy_probe.copy_rows) in the training batches of the non-SFT
-stages.
-
-Before allocating anything it prints the parameter and memory plan for the world size (parallel.py) and
-says in one sentence if a rank cannot hold it (a real run stops there, --dry_run=True exits 0). Under
-torchrun (detected from its environment, like nanoGPT's DDP) each block, the MTP block and the root are
-FSDP2-sharded (gloo on CPU, nccl on GPUs); `expert_parallel=True` splits the routed experts across ranks
-and exchanges tokens with all-to-all. Every rank draws the same global batch of world x batch_size
-windows and keeps its rows, so N ranks at batch_size b train on exactly what one process trains on at
-batch_size N * b.
-
-Run it:
     python train.py configs/toy.py                      # a few-million-parameter GLM-5 on a laptop CPU
     python train.py configs/toy.py --max_iters=20 --batch_size=4
     python train.py configs/toy.py --resume=True        # continue from out_dir/ckpt.pt, exactly
@@ -46,24 +15,17 @@ Run it:
     torchrun --standalone --nproc_per_node=2 train.py configs/toy.py --device=cpu [--expert_parallel=True]
 Tests: python -m pytest -q tests/test_train.py tests/test_parallel.py
 
-Honest limits:
-- Data parallel (FSDP2) and expert parallel over one mesh of all ranks; no tensor, pipeline or context
-  parallelism, no activation recomputation, no mixed-precision FSDP policy (fp32 weights, bf16 autocast
-  on cuda). Tested on 2 CPU processes over gloo; the nccl path is the same code, untested here.
-- The model is built whole on every rank (same seed) before sharding, and checkpoints hold the whole
-  unsharded state on rank 0: fine up to what one host's RAM holds, not for the real 744B (see
-  parallel.py).
-- Under FSDP, grad_accum > 1 reduce-scatters after every micro-batch (no no_sync), correct but slower.
-- SFT is single-format (chat.py's template on sft_data.py's generated conversations); no RL here.
-- MFU counts 6 x activated parameters per token (MTP and attention's T^2 term left out), against a peak
-  measured at start with a few timed matmuls, not a datasheet number.
-- Exact resume is tested on CPU in one process; resuming on 2 ranks, or a 2-rank checkpoint in one
-  process, matches to float tolerance. On a GPU, non-deterministic kernels make resume close, not
-  bit-identical.
-- Checkpoints are this script's own torch.save dict (loaded with weights_only=False: load only your own);
-  the public safetensors format is weights.py's save_pretrained / from_pretrained.
-- GLM-5's learning rates, batch sizes and schedule lengths are not published; the defaults are
-  placeholders.
+Honest limits: data parallel (FSDP2) and expert parallel over one mesh of all ranks; no tensor, pipeline or
+context parallelism, no activation recomputation, no mixed-precision FSDP policy (fp32 weights, bf16
+autocast on cuda); tested on 2 CPU processes over gloo, the nccl path is untested. The model is built whole
+on every rank and checkpoints hold the whole unsharded state on rank 0: fine up to one host's RAM, not for
+the real 744B (parallel.py). Under FSDP, grad_accum > 1 reduce-scatters after every micro-batch (no
+no_sync). SFT is single-format (chat.py's template); no RL here. MFU counts 6 x activated parameters per
+token (MTP and attention's T^2 left out) against a peak measured at start, not a datasheet number. Exact
+resume is tested on CPU in one process (across rank counts: float tolerance; on a GPU: close, not
+bit-identical). Checkpoints are this script's own torch.save dict (weights_only=False: load only your own;
+the public format is weights.py's safetensors). GLM-5's learning rates, batch sizes and schedule lengths
+are not published: the defaults are placeholders.
 """
 
 import ast
@@ -140,6 +102,19 @@ copy_source = "random"  # copy rows repeat "random" ids, the corpus' copy_top "f
 copy_top = 256  # copy_source "frequent": draw from the corpus' most frequent ids
 copy_probe_len = 64  # at each evaluation, the copy probe on random sequences of this length, twice (0: off)
 
+# Stages (`stage`):
+# - "pretrain": dsa_mode "dense", everything trains on lm + MTP + balance.
+# - "dsa_warmup": dsa_mode "dense", everything frozen except the indexers (`.indexer.` in the name); the loss
+#   is the indexer KL only (GLM-5: 1000 steps, lr 5e-3 -> 2e-4).
+# - "dsa_sparse": dsa_mode "sparse", everything trains; the model detaches the indexer's inputs, so the
+#   indexer learns only from the KL and the rest only from the LM loss.
+# - "sft": dsa_mode "sparse" with the indexer KL, as dsa_sparse (GLM-5 post-trains the sparse model), on
+#   sft_data.py's conversations: the loss counts only the assistant's own tokens (its thinking, answers, tool
+#   calls, end of turn); rows are packed conversations.
+#
+# The pipeline is pretrain -> dsa_warmup -> dsa_sparse -> sft, each stage --init_from the one before (model
+# weights only). A later stage without --init_from, or an out_dir holding another stage's checkpoint, stops
+# with one sentence (--from_scratch=True and --overwrite=True allow them).
 STAGES = ("pretrain", "dsa_warmup", "dsa_sparse", "sft")  # in pipeline order
 STAGE_DIRS = {"pretrain": "out", "dsa_warmup": "out_warmup", "dsa_sparse": "out_sparse", "sft": "out_sft"}
 DEFAULTS = {
@@ -401,6 +376,23 @@ def load_model_weights(m, state, path):
 
 # -----------------------------------------------------------------------------
 # The run
+#
+# One optimizer step:
+#
+#     batch (torch.Generator = data position) -> GLM5 forward -> lm + w_mtp * mtp + 1e-4 * balance (+ KL)
+#         -> backward (x grad_accum) -> clip -> Muon + AdamW step at lr(step) -> update_router_bias
+#
+# Every evaluation logs the val loss and the copy probe (copy_probe.py): the loss on the second copy of a
+# random sequence shown twice against the first, on all ids and on the corpus' 512 most frequent; a model with
+# induction heads copies, the toy model after its CPU budget does not (configs/speedrun_stages.py). copy_frac
+# > 0 puts synthetic copy rows (copy_probe.copy_rows) in the training batches of the non-SFT stages.
+#
+# Before allocating anything it prints the parameter and memory plan for the world size (parallel.py) and says
+# in one sentence if a rank cannot hold it (a real run stops there, --dry_run=True exits 0). Under torchrun
+# (detected from its environment, like nanoGPT's DDP) each block, the MTP block and the root are FSDP2-sharded
+# (gloo on CPU, nccl on GPUs); `expert_parallel=True` splits the routed experts across ranks and exchanges
+# tokens with all-to-all. Every rank draws the same global batch of world x batch_size windows and keeps its
+# rows, so N ranks at batch_size b train on exactly what one process trains on at batch_size N * b.
 
 
 def plan_run(cfg, world, dev, ptdtype, log):

@@ -8,32 +8,18 @@ describe is the GLM-5 report's section 2 (arXiv 2602.15763).
     model = weights.from_pretrained("path/to/GLM-5", dtype=torch.bfloat16)   # shard by shard
     weights.save_pretrained(model, "out/ckpt")                                # the same format back
 
-The MTP block is stored after the decoder layers, as model.layers.{num_hidden_layers}, and reads the hidden
-state the released weights were trained with: the main stack's output after model.norm, then its own output
-after shared_head.norm (model.MTPBlock; the contract vLLM's and SGLang's GLM-5 MTP code follow). A nanoGLM
-checkpoint written before that contract was adopted (29 Nov 2026) holds an MTP block trained on pre-norm
-hidden states: it still serves losslessly, with fewer drafts accepted.
-
-The model stacks each layer's routed experts into two tensors (experts.Experts); the files keep the released
-one-tensor-per-expert names (`model.layers.{L}.mlp.experts.{e}.gate_proj.weight`, ...), mapped both ways
-by checkpoint_tensors, so a file written here loads in any GLM-5 reader and the release loads here.
-
-A safetensors file is: 8 bytes little-endian u64 = N, then N bytes of JSON header
-{name: {"dtype": "BF16", "shape": [..], "data_offsets": [begin, end]}, "__metadata__": {..}},
-then the raw little-endian tensor bytes, offsets relative to the end of the header.
-
-Reading is memory-mapped (np.memmap, copy-on-write): opening a 5 GB shard costs nothing until a tensor
-is touched, so from_pretrained loads a big checkpoint shard by shard. Every way a file can be wrong
-(missing, truncated, bad header, unknown dtype, offsets out of range, a tensor config.json does not
-describe) raises CheckpointError naming the file or tensor. Writing goes to a temporary file that is
-renamed into place, so a crash never leaves a half-written shard under the real name.
+Reading is memory-mapped, shard by shard; every way a file can be wrong raises CheckpointError naming the
+file or tensor; writing is atomic (the file format: at "One file" below). The stacked experts and the MTP
+block are mapped to the released names at "The model's state_dict <-> the released tensor names".
 
 Run its tests with `python -m pytest -q tests/test_checkpoint.py`.
 Honest limits: BF16/FP32 checkpoints, and the compressed-tensors W4A8/W8A8 ones quantize.py writes (a
 quantization_config is read by quantized.from_pretrained; the FP8 release's is rejected); the
 whole model is allocated on `device` before the shards are copied in, so it must fit there (no
 tensor-parallel or offloaded loading); the MTP block's repeated copies of the embedding and head are
-skipped on load and not written on save.
+skipped on load and not written on save. A nanoGLM checkpoint written before the MTP post-norm contract was
+adopted (29 Nov 2026) holds an MTP block trained on pre-norm hidden states: it still serves losslessly, with
+fewer drafts accepted.
 """
 
 import dataclasses
@@ -73,6 +59,16 @@ class CheckpointError(ValueError):
 
 # -----------------------------------------------------------------------------
 # One file
+#
+# A safetensors file is: 8 bytes little-endian u64 = N, then N bytes of JSON header
+#     {name: {"dtype": "BF16", "shape": [..], "data_offsets": [begin, end]}, "__metadata__": {..}},
+# then the raw little-endian tensor bytes, offsets relative to the end of the header.
+#
+# Reading is memory-mapped (np.memmap, copy-on-write): opening a 5 GB shard costs nothing until a tensor is
+# touched, so from_pretrained loads a big checkpoint shard by shard. Every way a file can be wrong (missing,
+# truncated, bad header, unknown dtype, offsets out of range, a tensor config.json does not describe) raises
+# CheckpointError naming the file or tensor. Writing goes to a temporary file that is renamed into place, so a
+# crash never leaves a half-written shard under the real name.
 
 
 def read_header(path):
@@ -322,6 +318,15 @@ def config_to_json(cfg):
 
 # -----------------------------------------------------------------------------
 # The model's state_dict <-> the released tensor names
+#
+# The MTP block is stored after the decoder layers, as model.layers.{num_hidden_layers}, and reads the hidden
+# state the released weights were trained with: the main stack's output after model.norm, then its own output
+# after shared_head.norm (model.MTPBlock; the contract vLLM's and SGLang's GLM-5 MTP code follow; older
+# nanoGLM checkpoints: see the module docstring's limits).
+#
+# The model stacks each layer's routed experts into two tensors (experts.Experts); the files keep the released
+# one-tensor-per-expert names (`model.layers.{L}.mlp.experts.{e}.gate_proj.weight`, ...), mapped both ways by
+# checkpoint_tensors, so a file written here loads in any GLM-5 reader and the release loads here.
 
 
 def checkpoint_name(name, num_hidden_layers):
