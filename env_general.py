@@ -12,7 +12,7 @@ levels 1 to 5 are described at the tasks section.
 
 Run:
     python envs.py                                                      # one task per environment
-    python sft_data.py --sft 400 data/sft_general.jsonl --env general --difficulty 0   # SFT episodes
+    python episodes.py 400 data/sft_general.jsonl --env general --difficulty 0   # SFT episodes
 Tests: python -m pytest -q tests/test_envs.py
 Honest limits: the rules check form, not meaning: "Mira!" greets Mira as far as they can tell, and any
 words about tea make a list about tea; no reward model scores the rest, as a real general-RL stage would.

@@ -5,16 +5,14 @@ modes, before RL).
 
 Two sources, one format (the OpenAI-style messages that chat.render takes), each described at its section:
 the standard library's documented functions (data.py's corpus, the same by-file train/val split), written
-by the assistant with reasoning read off their code, and solved episodes of envs.py's environments (`--sft`,
-mixed in with train.py's `sft_extra`). prepare_sft() renders every conversation into one packed stream of
-ids with a loss mask and caches it; SFTLoader draws rows that start at a conversation.
+by the assistant with reasoning read off their code, and solved episodes of envs.py's environments
+(episodes.py writes them; train.py's `sft_extra` mixes them in). prepare_sft() renders every conversation
+into one packed stream of ids with a loss mask and caches it; SFTLoader draws rows that start at a
+conversation.
 
 Run it:
     python sft_data.py                        # one rendered example per thinking mode (trained spans in
                                               # ⟦ ⟧), then build the SFT set and print its statistics
-    python sft_data.py --sft 50 out.jsonl     # 50 solved conversations per environment
-    python sft_data.py --sft 200 toy.jsonl --env math --difficulty 0   # the toy level of one environment
-    python sft_data.py --sft 400 toy.jsonl --env math,search --difficulty 0   # of several
 Tests: python -m pytest -q tests/test_sft_data.py
 Honest limits: the "assistant" only ever writes standard-library functions and answers questions about
 them, and all its reasoning (here and in the environment episodes) is a template filled from the code or
@@ -36,8 +34,6 @@ import torch
 
 import chat
 import data
-import envs
-import rollout
 from chat import render, render_text
 from tokenizer import get_tokenizer
 
@@ -334,10 +330,10 @@ SPLIT_FILES = ("ids", np.uint16), ("mask", np.uint8), ("starts", np.int64)
 
 def load_extra(path):
     """Conversations from a JSONL file, one {"messages", "tools"?, "preserve_thinking"?, "kind"?} per line
-    (what `python sft_data.py --sft N FILE` writes); -> (list, sha256 of the file)."""
+    (what `python episodes.py N FILE` writes); -> (list, sha256 of the file)."""
     if not os.path.isfile(path):
         raise FileNotFoundError(
-            f"no SFT conversations at {path}; write them with python sft_data.py --sft 50 {path}"
+            f"no SFT conversations at {path}; write them with python episodes.py 50 {path}"
         )
     raw = open(path, "rb").read()
     convs = []
@@ -488,65 +484,6 @@ class SFTLoader:
 
 
 # -----------------------------------------------------------------------------
-# Solved environment episodes: the task's own solution, observations from the real environment
-#
-# Each task's own solution is played against the real environment through rollout.py's system prompt, checked
-# to earn reward 1, written as JSONL (`--sft`), and mixed in with train.py's `sft_extra`.
-
-
-def play_solution(env, seed):
-    """Play the task's own solution against the real environment.
-
-    Returns (messages in chat.py's format, the tool list in OpenAI's shape, reward, reason)."""
-    task, tools = env.reset(seed)
-    messages = [
-        {"role": "system", "content": rollout.SYSTEM},
-        {"role": "user", "content": task},
-    ]
-    gen = env.solve()
-    msg = next(gen)
-    while True:
-        obs, reward, done, reason = env.step(msg)
-        messages.append(msg)
-        if done:
-            break
-        messages += [{"role": "observation", "content": o} for o in obs]
-        msg = gen.send(obs)
-    env.close()
-    return messages, rollout.tool_specs(tools), reward, reason
-
-
-def solved_conversation(env, seed):
-    """One conversation in the SFT format, solved by the task's own solution and checked: reward 1."""
-    messages, tools, reward, reason = play_solution(env, seed)
-    assert reward == 1.0, f"the {env.name} solution of seed {seed} failed: {reason}"
-    return {"kind": f"env_{env.name}", "messages": messages, "tools": tools, "preserve_thinking": True}
-
-
-def sft_conversations(name, n, seed=0, difficulties=(1, 2, 3)):
-    """n solved conversations of environment `name`, difficulties cycled (0 is the toy level). Tasks of
-    the held-out split (envs.split_of) are skipped, so RL's held-out reward is on tasks SFT never showed."""
-    out, i = [], 0
-    while len(out) < n:
-        env = envs.ENVS[name](difficulties[len(out) % len(difficulties)])
-        conv = solved_conversation(env, f"sft/{seed}/{i}")
-        i += 1
-        if envs.split_of(conv["messages"][1]["content"]) == "train":
-            out.append(conv)
-    return out
-
-
-def write_env_conversations(n, path, names=tuple(envs.ENVS), difficulties=(1, 2, 3)):
-    """`python sft_data.py --sft N PATH [--env NAME] [--difficulty D]`: n solved conversations per
-    environment, one JSON per line."""
-    with open(path, "w") as f:
-        for name in names:
-            for conv in sft_conversations(name, n, difficulties=difficulties):
-                f.write(json.dumps(conv) + "\n")
-    print(f"wrote {n} solved conversations per environment ({', '.join(names)}) to {path}")
-
-
-# -----------------------------------------------------------------------------
 # python sft_data.py: one example per thinking mode, then the SFT set
 
 
@@ -588,22 +525,6 @@ def show_examples(tok):
 
 
 if __name__ == "__main__":
-    if "--sft" in sys.argv:
-        i = sys.argv.index("--sft")
-        n = int(sys.argv[i + 1])
-        rest = sys.argv[i + 2 :]
-        path = rest[0] if rest and not rest[0].startswith("--") else "data/sft_envs.jsonl"
-        names = tuple(envs.ENVS)
-        difficulties = (1, 2, 3)
-        if "--env" in sys.argv:  # one name, or several with commas: --env math,search
-            names = tuple(sys.argv[sys.argv.index("--env") + 1].split(","))
-            unknown = [name for name in names if name not in envs.ENVS]
-            if unknown:
-                raise SystemExit(f"--env {unknown[0]!r}: choose from {', '.join(envs.ENVS)}")
-        if "--difficulty" in sys.argv:
-            difficulties = (int(sys.argv[sys.argv.index("--difficulty") + 1]),)
-        write_env_conversations(n, path, names, difficulties)
-        sys.exit()
     vocab_size = int(sys.argv[1]) if len(sys.argv) > 1 else 4096
     tok = get_tokenizer(vocab_size, cache_dir="data")
     show_examples(tok)

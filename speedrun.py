@@ -135,7 +135,7 @@ STAGES = [  # (name, what it does), in pipeline order; the report has one sectio
     ("pretrain", "pretraining, dense attention (train.py --stage=pretrain)"),
     ("dsa_warmup", "DSA warm-up: only the indexers learn, from the KL (train.py --stage=dsa_warmup)"),
     ("dsa_sparse", "sparse stage: top-k attention, everything trains (train.py --stage=dsa_sparse)"),
-    ("episodes", "solved toy-level environment episodes for SFT (sft_data.py --sft)"),
+    ("episodes", "solved toy-level environment episodes for SFT (episodes.py)"),
     ("sft", "SFT: stdlib conversations + environment episodes (train.py --stage=sft)"),
     ("sft_episodes", "SFT on the environment episodes alone (train.py --stage=sft --sft_stdlib=False)"),
     ("rl", "asynchronous agentic RL on toy-level tasks (rl_async.py configs/rl_toy.py)"),
@@ -247,7 +247,7 @@ def stage_commands(name, run_dir, table, args):
         n = str(table["episodes"]["per_env"])
         envs = table["episodes"].get("envs", "math,search,terminal,general")
         # a file left by a stopped run is written again whole: the stage counts as done only by done.json
-        return [[py, "sft_data.py", "--sft", n, out, "--difficulty", "0", "--env", envs]], [out]
+        return [[py, "episodes.py", n, out, "--difficulty", "0", "--env", envs]], [out]
     if name == "rl":
         cmd = [
             py,

@@ -63,7 +63,7 @@ resume = False  # continue from out_dir/ckpt.pt: model, optimizers, step, RNGs, 
 data_dir = "data/stdlib"  # tokenized corpus (data.py), relative to this file's folder
 sft_data_dir = "data/sft"  # tokenized SFT conversations and loss masks (sft_data.py), stage "sft"
 # a JSONL of more SFT conversations, e.g. solved environment episodes:
-# python sft_data.py --sft 50 data/sft_envs.jsonl
+# python episodes.py 50 data/sft_envs.jsonl
 sft_extra = ""
 sft_stdlib = True  # stage sft: include the standard-library conversations (False: sft_extra's only)
 tokenizer_vocab_size = 4096  # the BPE the data is tokenized with; must be <= the model's vocab_size

@@ -17,14 +17,14 @@ from fractions import Fraction
 
 import pytest
 
+import chat
 import data
 import env_general
 import env_math
 import envs
-import sandbox
-import chat
+import episodes
 import rollout
-import sft_data
+import sandbox
 from envs import CodeEnv, GeneralEnv, MathEnv, SearchEnv, TerminalEnv
 from tokenizer import get_tokenizer
 
@@ -35,7 +35,7 @@ LEVELS = (0, 1, 3, 5)  # 0 is the toy level
 
 def solve(env, seed):
     """Play env's own solution; returns (reward, reason)."""
-    return sft_data.play_solution(env, seed)[2:]
+    return episodes.play_solution(env, seed)[2:]
 
 
 def play(env, seed, messages):
@@ -542,14 +542,14 @@ def test_general_toy_level_is_short_regular_and_split():
         assert 2 <= len(env_general.words(env.task["reply"])) <= 3 and env.grade(prompt)[0] == 0.0, prompt
         prompts.add(prompt)
     assert len(prompts) > 100, len(prompts)
-    messages, tools, reward, _ = sft_data.play_solution(env, 0)
+    messages, tools, reward, _ = episodes.play_solution(env, 0)
     ids, head = chat.render(messages, tok, tools=tools)[0], chat.render(messages[:2], tok, tools=tools)[0]
     assert reward == 1.0 and len(ids) - len(head) + len(tok.encode_ordinary(messages[1]["content"])) < 80
     train, heldout = envs.seeds(env, "train", 60), envs.seeds(env, "heldout", 15)
     assert not {env.reset(s)[0] for s in train} & {env.reset(s)[0] for s in heldout}
-    convs = sft_data.sft_conversations("general", 40, seed=3, difficulties=(0,))
+    convs = episodes.sft_conversations("general", 40, seed=3, difficulties=(0,))
     assert json.dumps(convs) == json.dumps(
-        sft_data.sft_conversations("general", 40, seed=3, difficulties=(0,))
+        episodes.sft_conversations("general", 40, seed=3, difficulties=(0,))
     )
     assert all(envs.split_of(c["messages"][1]["content"]) == "train" for c in convs)
     assert not {c["messages"][1]["content"] for c in convs} & {env.reset(s)[0] for s in heldout}
@@ -623,7 +623,7 @@ def test_toy_level_is_short_solved_and_graded():
     for cls in (MathEnv, SearchEnv, TerminalEnv):
         for seed in range(12):
             env = cls(0)
-            messages, tools, reward, reason = sft_data.play_solution(env, seed)
+            messages, tools, reward, reason = episodes.play_solution(env, seed)
             assert reward == 1.0, (cls.name, seed, reason)
             head = chat.render(messages[:2], tok, tools=tools)[0]
             ids = chat.render(messages, tok, tools=tools)[0]

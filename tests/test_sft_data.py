@@ -13,6 +13,7 @@ import torch
 import chat
 import data
 import envs
+import episodes
 import sft_data
 from tokenizer import CHAT_TOKENS, Tokenizer, train_bpe
 
@@ -142,7 +143,7 @@ def test_prepare_sft_and_batches(tok, sft_files, tmp_path, monkeypatch):
 def test_prepare_sft_mixes_in_env_conversations(tok, sft_files, tmp_path):
     """extra=: solved environment episodes join the SFT set (split by content), rendered and masked like the
     rest; a malformed line is an error naming the line."""
-    convs = sft_data.sft_conversations("math", 6)
+    convs = episodes.sft_conversations("math", 6)
     path = tmp_path / "envs.jsonl"
     path.write_text("".join(json.dumps(c) + "\n" for c in convs))
     base = sft_data.prepare_sft(
@@ -173,7 +174,7 @@ def test_prepare_sft_mixes_in_env_conversations(tok, sft_files, tmp_path):
     assert all(within(i, ids) != within(i, val_ids) for i, _ in rendered)  # each lands in exactly one split
     # adding a conversation moves none of the others between train and val
     path.write_text(
-        "".join(json.dumps(c) + "\n" for c in sft_data.sft_conversations("math", 1, seed=9) + convs)
+        "".join(json.dumps(c) + "\n" for c in episodes.sft_conversations("math", 1, seed=9) + convs)
     )
     sft_data.prepare_sft(
         out_dir=str(tmp_path / "d"),
@@ -200,8 +201,8 @@ def test_prepare_sft_mixes_in_env_conversations(tok, sft_files, tmp_path):
 
 def test_sft_conversations_are_solved_renderable_and_deterministic(tok):
     for name in envs.ENVS:
-        convs = sft_data.sft_conversations(name, 3, seed=7)
-        assert json.dumps(convs) == json.dumps(sft_data.sft_conversations(name, 3, seed=7))
+        convs = episodes.sft_conversations(name, 3, seed=7)
+        assert json.dumps(convs) == json.dumps(episodes.sft_conversations(name, 3, seed=7))
         for conv in convs:
             assert conv["kind"] == f"env_{name}"
             ids, mask = sft_data.render_conversation(conv, tok)
@@ -217,14 +218,14 @@ def test_sft_conversations_are_solved_renderable_and_deterministic(tok):
 def test_sft_export_of_the_toy_level_skips_held_out_tasks():
     """The export takes an environment and a difficulty, and never writes a held-out task."""
     for name in ("math", "search", "terminal"):
-        convs = sft_data.sft_conversations(name, 8, seed=3, difficulties=(0,))
+        convs = episodes.sft_conversations(name, 8, seed=3, difficulties=(0,))
         assert len(convs) == 8 and json.dumps(convs) == json.dumps(
-            sft_data.sft_conversations(name, 8, seed=3, difficulties=(0,))
+            episodes.sft_conversations(name, 8, seed=3, difficulties=(0,))
         )
         assert all(envs.split_of(c["messages"][1]["content"]) == "train" for c in convs)
     # math's toy level has 300 questions: enough of them for held-out ones to turn up and be skipped
     prompts = [
-        c["messages"][1]["content"] for c in sft_data.sft_conversations("math", 100, difficulties=(0,))
+        c["messages"][1]["content"] for c in episodes.sft_conversations("math", 100, difficulties=(0,))
     ]
     env = envs.MathEnv(0)
     heldout = {env.reset(s)[0] for s in envs.seeds(env, "heldout", 20)}
