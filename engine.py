@@ -1,72 +1,26 @@
 """
 The inference engine: continuous batching over a paged latent cache, with MTP speculative decoding (a very
-small vLLM). serve.py puts the OpenAI-compatible HTTP server and the terminal chat on top of it; tests and
-benchmarks drive it directly. Its memory is paged_cache.py's (the paged MLA latent cache, prefix caching);
-turning logits into tokens is sampling.py's (penalties, top-k/top-p, the speculative acceptance rule).
+small vLLM; Orca, Yu et al. 2022). serve.py puts the OpenAI-compatible server on top; paged_cache.py holds
+the memory (the MLA latent and index key per token, prefix caching); sampling.py turns logits into tokens.
+- MLA and DSA at inference (GLM-5 report, section 2; DeepSeek-V3.2 report): absorbed MLA, the indexer over
+  the cached keys, top-k and sparse attention, over the page pool.
+- Speculative decoding with the MTP block (GLM-5 report, section 2; DeepSeek-V3 report, section 2.2): the
+  block drafts N tokens, one forward verifies them, sampling.accept_drafts keeps a prefix, so the output is
+  distributed exactly as without drafts; the block reads the main stack's output after model.norm and
+  carries its own after shared_head.norm, the contract of the released weights (model.MTPBlock).
+- Weight updates for RL rollouts (the report's asynchronous RL infrastructure; SGLang's
+  update_weights_from_disk; AReaL's interruptible rollouts): between two steps, under the step lock; requests
+  in flight recompute their cache on the new weights and tag every token with the version that sampled it.
 
-What it implements:
-- MLA decoding over the cached latents and DSA at inference (GLM-5 report, section 2; DeepSeek-V3.2
-  report): the model's own cache path (absorbed MLA, the indexer over the cached keys, top-k, sparse
-  attention) runs over paged_cache.PagedCache, which holds per layer only the latent and the index key.
-- Continuous batching (Orca, Yu et al. 2022; vLLM): requests join and leave the running batch at any step.
-- Speculative decoding with the MTP block (GLM-5 report, section 2: one MTP block whose weights are
-  shared across 3 steps, accept length 2.76 with 4 drafted tokens; DeepSeek-V3 report, section 2.2 on
-  MTP): the block drafts N tokens, one forward of the main model verifies them all, and
-  sampling.accept_drafts keeps a prefix of them, so the output is distributed exactly as without drafts.
-  The block reads the main stack's output after model.norm and carries its own output after
-  shared_head.norm from one draft to the next, the contract of the released weights (model.MTPBlock).
-- Weight updates for RL rollouts (the GLM-5 report's asynchronous agentic RL infrastructure: rollout engines
-  serve while the trainer pushes new weights; SGLang's update_weights_from_disk; AReaL's interruptible
-  rollouts, Fu et al. 2025): update_weights() reads a save_pretrained directory on the side, then between
-  two engine steps copies it in, makes the new policy version current and flushes the prefix cache (its
-  pages hold latents of the old weights). Versions only increase; step() and the swap share one lock, so no
-  step ever runs on half-copied weights. Requests in flight continue on the new weights, as AReaL's
-  interruptible rollouts and SGLang's pause_generation(mode="retract") do: their cache is recomputed with
-  the new weights (the old latents are not mixed in), and every sampled token records the version that
-  sampled it (Request.versions), so a trainer can weigh each token against the policy that produced it.
-
-    submit() -> waiting queue -> [admit: prefix-cache lookup, reserve pages, prefill] -> running batch
-             -> one batched decode step per iteration (or MTP drafts + one verify forward) -> finished
-
-Run it through serve.py, or drive it directly (as the tests and bench_serve.py do):
+Run it:
     python serve.py --ckpt out/ckpt.pt --spec 3     # the server, with 3 drafted tokens per step
     python bench_serve.py                            # throughput, MTP accept length, DSA vs dense
-    curl localhost:8000/update_weights_from_disk -d '{"model_path": "out_rl/step_10", "weight_version": 10}'
-    >>> import engine, sampling; from tokenizer import get_tokenizer
-    >>> m = engine.load_model("out/ckpt.pt")
-    >>> eng = engine.Engine(m, get_tokenizer(m.config.vocab_size), spec_tokens=3)
-    >>> eng.generate([[1, 2, 3]], sampling.SamplingParams(max_tokens=8, temperature=0))[0].out
 Tests: python -m pytest -q tests/test_engine.py
-
-Prefill is batched: every request admitted in a step is prefilled in that step, rows of similar length
-right-padded into one forward (the padding writes to a scratch page), prompts longer than prefill_chunk in
-chunks; then the step decodes every running row, the new ones included. Sampling is batched over the rows
-(one host sync per step); the model's forward itself never reads a value back (the cache's length is set
-on the host). Engine(compile=True) (serve.py --compile) runs the model's forwards through torch.compile
-(PyTorch 2 paper, Ansel et al. 2024; inductor fuses the small ops a toy step is made of): the plain decode
-step with the batch padded up to a power of two (decode_bucket; the padding rows write to the scratch page
-and are dropped), so one graph per bucket serves every batch, and the history's length is a dynamic
-dimension; and the main stack of the prefill and verify forwards, whose batch and length turn dynamic at
-the first new shape (the page tables are padded to a fixed width). The graphs keep torch.compile's guards
-on the config (dsa_mode, index_quant) and drop those on the weights (module_guards_filter). The cache is
-written with index_put_ on the whole pool, which inductor does in place: through a view of one layer's
-pages, each compiled step copied the whole pool back, a cost that grew with the pool (4 ms a step at 1,000
-pages).
-
-Honest limits: a long prompt's chunks all run in the step that admits it (vLLM interleaves them with other
-rows' decode steps, which keeps decode latency flat); rows of very different lengths prefill in separate
-forwards. Pages for prompt + max_tokens are reserved at admission (no preemption). One process, one
-device. compile=True leaves the MTP block's drafts and the sampling eager; its graphs (about ten: one row
-and several, histories on both sides of index_topk; seconds each on a CPU) are built by warm_up, or on
-first use without it, and its greedy outputs equal the eager path's in the tests, not bit for bit its
-logits (fused kernels round differently). On a CPU the decode graphs compute the routed experts per
-(token, expert) pair (experts.experts_pairs) up to 4 rows per expert on average; a larger batch bucket
-(above 32 rows of the batch for the toy: 64 (token, expert) pairs over 16 experts) takes the grouped GEMM
-in a graph of its own, which warm_up does not build. The MTP block's drafts 2..N reuse its cache
-slots at the next positions, an approximation that lowers the accept rate but never changes the output. A
-weight update holds two copies of the weights while it loads, and recomputes each running request's cache
-with one prefill (AReaL's choice; SGLang can also keep the stale cache or abort); weights come from disk
-only (no torch.distributed broadcast from the trainer).
+Honest limits: a long prompt's chunks all run in the step that admits it (vLLM interleaves them); pages for
+prompt + max_tokens are reserved at admission (no preemption); one process, one device; compile=True leaves
+the MTP drafts and the sampling eager, and equals the eager path token for token, not bit for bit; drafts
+2..N reuse the MTP block's cache slots at the next positions (fewer accepted, never another output); a
+weight update holds two copies of the weights while it loads and comes from disk only.
 """
 
 import collections
@@ -227,6 +181,32 @@ class Request:
 
 # -----------------------------------------------------------------------------
 # The engine
+
+
+# How a step runs. submit() -> waiting queue -> [admit: prefix-cache lookup, reserve pages, prefill] ->
+# running batch -> one batched decode step per iteration (or MTP drafts + one verify forward) -> finished.
+# Prefill is batched: every request admitted in a step is prefilled in that step, rows of similar length
+# right-padded into one forward (the padding writes to a scratch page), prompts longer than prefill_chunk in
+# chunks. Sampling is batched over the rows (one host sync per step); the model's forward itself never reads
+# a value back (the cache's length is set on the host).
+#
+# Engine(compile=True) (serve.py --compile) runs the forwards through torch.compile (Ansel et al. 2024):
+# the plain decode step with the batch padded up to a power of two (decode_bucket; padding rows write to the
+# scratch page), so one graph per bucket serves every batch, the history's length a dynamic dimension; and
+# the main stack of the prefill and verify forwards, whose batch and length turn dynamic at the first new
+# shape (the page tables padded to a fixed width). The graphs keep the guards on the config (dsa_mode,
+# index_quant) and drop those on the weights (module_guards_filter). The cache is written with index_put_
+# on the whole pool, which inductor does in place (through a view of one layer's pages each compiled step
+# copied the whole pool back). warm_up builds the graphs (about ten: one row and several, histories on both
+# sides of index_topk); on a CPU the decode graphs compute the routed experts per (token, expert) pair
+# (experts.experts_pairs) up to 4 rows per expert on average, and a larger bucket takes the grouped GEMM in
+# a graph warm_up does not build.
+#
+# Weight updates: update_weights() reads a save_pretrained directory on the side, then between two steps
+# copies it in, makes the new version current and flushes the prefix cache (its pages hold latents of the
+# old weights). Versions only increase; step() and the swap share one lock. Requests in flight continue on
+# the new weights, as AReaL's interruptible rollouts and SGLang's pause_generation(mode="retract") do: their
+# cache is recomputed with one prefill (SGLang can also keep the stale cache or abort).
 
 
 class Engine:

@@ -1,38 +1,29 @@
 """
 GLM-5, the model (GLM-5 report, arXiv 2602.15763, section 2; names and sizes as in the released
-config.json): the decoder stack here, its attention in mla.py.
+config.json): the decoder stack here, its attention in mla.py. reference.py is the same math as plain
+functions, the yardstick this file is tested against.
 
     embed -> 78 x [RMSNorm -> MLA (+ DSA indexer) -> RMSNorm -> dense SwiGLU (layers 0-2) | MoE (3-77)]
           -> RMSNorm -> lm_head          + one MTP block applied 3 times with shared weights
 
-- MLA (mla.py; DeepSeek-V2 report, section 2.1) in both forms, naive (MHA: kv_b_proj expands the
-  latents into per-head keys and values) and absorbed (MQA: attention over the latents themselves), with
-  DeepSeek Sparse Attention's indexer, top-k selection, sparse attention and indexer KL from dsa.py
-  (DeepSeek-V3.2 report). mla.py also holds the Linear, RMSNorm and RoPE this file builds with.
-- MoE (DeepSeek-V3 report, section 2.1.2): fp32 sigmoid router, e_score_correction_bias for selection
-  only, normalised top-k weights x routed_scaling_factor, one shared expert; the routed experts stacked
-  per layer and run as one grouped GEMM per projection over the tokens routed to them (the router, the
-  experts and their paths are experts.py's); the aux-loss-free bias update here, the sequence-level
-  balance loss there, as functions training calls.
-- MTP (GLM-5 report, section 2): enorm/hnorm/eh_proj -> a full decoder layer -> shared_head.norm ->
-  the shared lm_head, one block applied num_mtp_steps times; it reads the main stack's output after
-  model.norm and carries its own output after shared_head.norm, as the released weights expect.
-- Incremental decoding over a cache holding only [c_kv | k_pe] (512 + 64 values) and the 128-d
-  indexer key per token per layer (with index_quant "int8": 128 int8 values and a 4-byte scale, dsa.py):
-  KVCache here (contiguous), paged_cache.py's page pool for the engine (read in place by mla.py).
-The checkpoint format (config.json, safetensors, the released names) is weights.py's; the W4A8 / W8A8
-modules that replace these in a quantized checkpoint are quantized.py's.
+- MLA (mla.py; DeepSeek-V2 report, section 2.1) in both forms, with DeepSeek Sparse Attention's indexer,
+  top-k, sparse attention and indexer KL from dsa.py (DeepSeek-V3.2 report).
+- MoE (DeepSeek-V3 report, section 2.1.2): fp32 sigmoid router, e_score_correction_bias for selection only,
+  normalised top-k weights x routed_scaling_factor, one shared expert (experts.py); the aux-loss-free bias
+  update here, the sequence balance loss there.
+- MTP (GLM-5 report, section 2): enorm/hnorm/eh_proj -> a full decoder layer -> shared_head.norm -> the
+  shared lm_head, one block applied num_mtp_steps times; it reads the main stack's output after model.norm
+  and carries its own output after shared_head.norm, as the released weights expect.
+- Decoding over a cache of only [c_kv | k_pe] (512 + 64 values) and the 128-d indexer key per token per
+  layer: KVCache here, paged_cache.py's page pool for the engine.
 
 Run it:
     python model.py configs/toy.py     # build, forward, backward, parameter table (seconds on a CPU)
     python model.py configs/full.py    # the 744B parameter table, in seconds, on the meta device
-    python -m pytest -q tests/test_model.py tests/test_dsa.py tests/test_reference.py
-Honest limits: attention is plain torch (SDPA when dense) except DSA's selection and sparse MLA, which
-dsa.py runs as Triton kernels on a GPU; the experts use kernels_moe.py's Triton kernels on a GPU only
-without gradients, torch's grouped GEMM where its dtype and 16-byte row rule allow (fp32/bf16 on a CPU,
-bf16 on a GPU), and the per-expert loop (a host sync per layer) otherwise, fp64 included; token ids are
-range-checked on CPU only (on a GPU the check would cost a host sync per step, and nn.Embedding asserts
-instead).
+Tests: python -m pytest -q tests/test_model.py tests/test_dsa.py tests/test_reference.py
+Honest limits: attention is plain torch (SDPA when dense) except DSA's selection and sparse MLA, which run
+as Triton kernels on a GPU; the experts run Triton kernels on a GPU only without gradients; token ids are
+range-checked on a CPU only (on a GPU the check would cost a host sync per step).
 """
 
 import dataclasses

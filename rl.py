@@ -1,53 +1,25 @@
 """
-GLM-5's RL post-training, the math of it: the advantages, the three policy losses, the buffer's filters,
-the trainer's step and the DP-aware router (GLM-5 report, arXiv 2602.15763, its post-training sections:
-Reasoning RL with GRPO + IcePop, Agentic RL with direct double-sided importance sampling, on-policy
-cross-stage distillation, and the agentic RL infrastructure that drops stale and failed samples and routes
-a rollout to one inference replica). rl_async.py runs them in the asynchronous loop over serve.py replicas.
-
-What is here, as plain functions on tensors and Trajectory records (rollout.py):
-- group_advantages: the group-relative advantage, r - mean(r) over the group for agentic and general RL,
-  divided by the group's std for reasoning RL (GRPO, DeepSeekMath, Shao et al. 2024, section 4.1), as the
-  GLM-5 report gives each objective (SCALE_BY_STD).
-- agentic_loss: direct double-sided importance sampling against the rollout engine's own logprobs; a token
-  whose ratio leaves the trust band is masked (exactly zero gradient), as the GLM-5 report does for
-  agentic RL.
-- reasoning_loss: the report's Eq. 1: GRPO's clipped ratio pi_theta / pi_old with DAPO's asymmetric band
-  (Yu et al. 2025), times IcePop's mask of tokens whose training/inference probability ratio leaves
-  [1/2, 2] (Ling Team, "Every Step Evolves", arXiv 2510.18855, the Ring-1T report), averaged per response,
-  then over the group: 1/G sum_i 1/|y_i| sum_t.
-- distill_advantages: on-policy cross-stage distillation's per-token advantage sg[log pi_teacher -
-  log pi_student], group size 1, substituted into Eq. 1 (reasoning_loss: the IcePop band and the clip).
-- a rollout is one group member: a rollout folded into several Trajectory records (rollout.py's
-  keep-recent-k) has one reward, one advantage, one verdict of the staleness and group rules, and its
-  |y_i| counts the sampled tokens of all its records.
-- staleness and group filters over rollouts, with the counts the log line prints.
-- the trainer's step: token_logprobs (a teacher-forced forward of model.GLM5 on the exact token ids),
-  policy_loss (group-relative advantages and one of the three losses by `kind`) and rl_step (backward, clip,
-  one step of train.py's Muon + AdamW from build_optimizers), with the indexers and the MoE router bias
-  frozen and the balance and MTP losses off, as GLM-5 trains RL; backward_batch accumulates the gradient
-  over micro-batches of like-length rows (a mix of short and long episodes pads little); under torchrun
-  (FSDP2) each rank trains its rows of the whole batch (the batch's advantages and token count, so the
-  ranks' gradients add up to one process's); with shared_prefix=True the step encodes each group's prompt
-  once (shared_prefix.py, Prefix Grouper: the same logprobs and gradient, a third of the tokens on the toy
-  run; micro-batches and ranks then take whole groups); reasoning RL and distillation are on-policy
-  (check_on_policy refuses a token sampled by another policy version than the trainer's); reset_optimizers,
-  the reset after each weight push that the report's agentic RL does (rl_async.py's default).
-- the DP-aware router: consistent hashing with virtual nodes and bounded loads (Mirrokni, Thorup and
-  Zadimoghaddam, "Consistent Hashing with Bounded Loads", SODA 2018), so a multi-turn rollout keeps hitting
-  one replica's prefix cache.
+GLM-5's RL post-training, the math of it (GLM-5 report, arXiv 2602.15763, its post-training sections):
+- reasoning RL, the report's Eq. 1: GRPO's clipped ratio with DAPO's asymmetric band (Yu et al. 2025), times
+  IcePop's mask of tokens whose training/inference ratio leaves [1/2, 2] (Ling Team, arXiv 2510.18855),
+  advantages normalised by the group's std, averaged per response then over the group; entirely on-policy;
+- agentic RL: direct double-sided importance sampling against the rollout engine's own logprobs, a token
+  outside the trust band masked, advantages r - mean(r) of the group;
+- on-policy cross-stage distillation: the advantage sg[log pi_teacher - log pi_student] through Eq. 1;
+- a rollout folded into several records (keep-recent-k, discard-all) as one group member; the staleness
+  and group filters over rollouts; the trainer's step (rl_step, with the indexers and router bias frozen,
+  micro-batches, FSDP2 ranks, the shared-prefix forward); the optimizer reset after each push;
+- the DP-aware router: consistent hashing with bounded loads (Mirrokni, Thorup and Zadimoghaddam, SODA 2018).
+rl_async.py runs them in the asynchronous loop over serve.py replicas.
 
 Run it:
     python rl.py        # each piece on made-up numbers
 Tests: python -m pytest -q tests/test_rl.py
-
-Honest limits: the eps bands of agentic_loss are not published (we take the reasoning band, 0.2 / 0.28);
-agentic_loss averages over the loss-mask tokens of the whole batch, the E_t of the report's agentic
-objective; the RL learning rates are placeholders (not published); rl_step takes one optimizer step per
-batch, the report's "entirely on-policy" reasoning RL, so reasoning_loss's pi_old is the trainer's own
-logprob before the step (rho = 1: the clip is in the formula, and bites only if a batch is split into
-several steps, which is not done here) and IcePop's k measures the engines' mismatch alone; the MTP block is
-left as SFT trained it; the router balances the number of live rollouts per replica, not their tokens.
+Honest limits: agentic_loss's eps band is not published (we take the reasoning band, 0.2 / 0.28); the RL
+learning rates are placeholders; rl_step takes one optimizer step per batch, the report's "entirely
+on-policy" reasoning RL, so pi_old is the trainer's own logprob before the step (rho = 1: the clip is in the
+formula and bites only when a batch is split into several steps, not done here) and IcePop's k measures the
+engines' mismatch alone; the MTP block keeps its SFT weights; the router balances live rollouts, not tokens.
 """
 
 import bisect

@@ -1,88 +1,26 @@
 """
-GLM-5's asynchronous agentic RL loop (GLM-5 report, arXiv 2602.15763, its post-training sections: the
-agentic RL infrastructure that decouples rollouts from training, with the TITO gateway, DP-aware routing,
-the multi-task rollout orchestrator and the dropping of stale and failed samples; the RL stages, Reasoning
-RL, Agentic RL and General RL, with on-policy cross-stage distillation). The math it runs (advantages,
-losses, filters, the trainer's step, the router) is rl.py's; the replicas and the weight push are
-replicas.py's; the orchestrator that plays the rollouts is orchestrator.py's; the agent loop and its token
-record (TITO) are rollout.py's; the environments are envs.py's.
-
-The loop, one code path with a `mode` switch:
-- replicas: serve.py servers given as URLs (a cluster's) or started here as `serve.py` processes on free
-  loopback ports and stopped at exit. Each rollout id is pinned to one replica by rl.route. A replica that
-  refuses connections leaves the ring and its rollouts start over on the others (the partial record is
-  thrown away, so nothing is trained twice; with no replica left they wait for one, up to rollout_timeout);
-  a replica this script started is restarted, one given as a URL is probed; either way, once it answers it
-  gets the trainer's last pushed weights and rejoins the ring.
-- the orchestrator: groups of group_size rollouts (one task, one training-split seed; held-out seeds by
-  envs.split_of stay for evaluation), the task drawn from the configured mix, run by rollout.rollout through
-  the TITO gateway (with a sampling seed per request) on one thread pool per task, whose size is that
-  task's concurrency cap. A rollout that raises or outlives rollout_timeout gives a failed sample; the
-  group rule drops it.
-- the trainer: wait for groups_per_step finished groups, rl.filter_buffer against its own version (the steps
-  taken), rl.rl_step (micro-batches of at most micro_tokens padded tokens), and every push_every steps
-  save_pretrained + POST /update_weights_from_disk to every replica (version = step), then the optimizer
-  reset the report does after each push (reset_on_push). mode "sync" keeps exactly one batch of groups
-  in flight, so generation and training alternate; mode "async" (the default) keeps up to (1 + ahead)
-  batches, so rollouts go on while the trainer steps, and tau bounds how stale they may be.
-- the stages, by `stage`, in the report's order (GLM-5 report, post-training): "reasoning" (Eq. 1: GRPO +
-  IcePop, rl.reasoning_loss, on math; entirely on-policy), "agentic" (direct double-sided importance
-  sampling, rl.agentic_loss, on tool-using tasks; asynchronous), "general" (the agentic loss on rule-based
-  rewards: format, length, language; the report does not spell out its objective, so it takes the
-  agentic one and its mean-only advantages), then "distill" as the final stage (on-policy cross-stage
-  distillation: one rollout per prompt, each token's advantage sg[log pi_teacher - log pi_student]
-  through Eq. 1, the teacher of each task the final checkpoint of the stage that trained it, given by
-  `teachers`). Each stage is one run whose init_from is the last one's ckpt.pt (configs/rl_*.py); a
-  distill run after every stage, with the stages so far as teachers, is the option one summary of the
-  report describes. eval_tasks adds the earlier stages' tasks to the held-out evaluation, so forgetting
-  shows in the log. The on-policy stages (reasoning, distill) must run with mode=sync, tau=0 and
-  push_every=1 (check_config says so), and rl.rl_step refuses any token sampled by another version.
-- checkpoints: out_dir/ckpt.pt every ckpt_every steps and at the end, atomically (train.py's
-  save_checkpoint): the model, both optimizers, the step, the orchestrator's state (its task-drawing RNG,
-  the next seed of every task, the groups submitted and not yet trained) and the settings. --resume=True
-  continues from it: the replicas get its weights as its version, the untrained groups are played again with
-  the same ids and seeds, metrics.jsonl is cut back to its step; the settings that decide what is sampled
-  must be the same (RESUME_SAME, checked), and the replicas fresh or behind the checkpoint's version
-  (checked). The weights are pushed before every checkpoint, so the replicas of a resumed run hold what the
-  uninterrupted run's held. In sync mode (nothing in flight at a step's end) the resumed run equals the
-  uninterrupted one, weights and records; in async mode the groups in flight at the save are sampled again
-  on the saved weights, so they differ from what the killed run would have sampled (partial rollouts are
-  thrown away, as slime does), and no trajectory is trained twice.
-- one log line per step (reward, masked-token fraction, mean |r - 1|, staleness histogram, dropped and
-  padded counts, trajectories/s, trainer idle fraction, the reward per task of a mix) and the same record
-  in out_dir/metrics.jsonl, with the held-out reward of every eval task every eval_every steps (and at step
-  0 and the end).
-
-At scale the trainer runs under torchrun with train.py's sharding (FSDP2 over every block, the experts
-split by expert parallelism with --expert_parallel=True): rank 0 runs the loop, the orchestrator and the
-log, and broadcasts each step's whole batch; every rank trains its rows of it in micro-batches
-(rl.backward_batch: the whole batch's advantages and token count), FSDP2 reduces the gradients; a push or a
-checkpoint gathers the shards to rank 0 (parallel.full_state), which writes them. The replicas are URLs
-and a push writes the weights to storage every replica reads (what runs here: save_pretrained to
-out_dir/push, then the HTTP call); a torch.distributed broadcast group from the trainer's ranks to the
-replicas' would skip the disk and is not built.
+GLM-5's asynchronous RL loop (GLM-5 report, arXiv 2602.15763, its post-training sections: the agentic RL
+infrastructure that decouples rollouts from training, with the TITO gateway, DP-aware routing, the multi-task
+rollout orchestrator and the dropping of stale and failed samples; the stages reasoning, agentic and general
+RL, then on-policy cross-stage distillation). Rollouts run on serve.py replicas (replicas.py), played by
+orchestrator.py through rollout.py's agent loop; the trainer takes finished groups, filters them, takes one
+rl.py step and pushes the weights to every replica. mode "sync" generates a batch, then trains it; "async"
+keeps more batches in flight while the trainer steps, tau bounding how stale a sample may be. The on-policy
+stages (reasoning, distill) run sync with tau 0 and a push every step, and nothing else is accepted.
 
 Run it:
-    python rl_async.py configs/rl_toy.py        # the toy run: 2 serve.py replicas of the toy SFT model
+    python rl_async.py configs/rl_toy.py        # the workshop run's RL stage: 2 replicas of the toy SFT model
+    python rl_async.py configs/rl_reasoning.py  # the report's stages in order: then rl_agentic, rl_general,
+                                                # rl_distill (each from the last one's checkpoint)
     python rl_async.py configs/rl_toy.py --mode=sync --max_steps=5   # any setting as --key=value
     python rl_async.py configs/rl_toy.py --resume=True                # continue a killed run exactly
-    python rl_async.py configs/rl_toy.py --replicas=http://10.0.0.5:8000,http://10.0.0.6:8000
-    torchrun --nproc_per_node=2 rl_async.py configs/rl_toy.py      # the trainer on two ranks (FSDP2)
+    torchrun --nproc_per_node=2 rl_async.py configs/rl_toy.py        # the trainer on two ranks (FSDP2)
 Tests: python -m pytest -q tests/test_rl.py tests/test_rl_async.py
-
-Honest limits: configs/rl_toy.py's 50 steps on the toy chat, search and terminal tasks took held-out
-search from 0.25 to 0.47 / 0.42 and terminal from 0.50 to 0.64 / 0.63 in two runs, +-0.06 each, 14 min on
-2 cores; 60-step runs of both modes reached 0.63-0.67 and 0.77-0.78 in 17 min (README: the RL
-section); the RL rate is near its edge (1.5x was unstable, twice collapsed a toy run); under torchrun
-the trainer's step is checked against one process (tests/test_rl.py) and the loop was run by hand on two
-CPU ranks, not on GPUs, and the trainer computes in fp32 (no bf16 autocast); the learning rates, eps
-bands, K and tau are ours (GLM-5 does not publish its RL ones); rollout_timeout counts from a rollout's
-submission, its wait for a worker included; a timed-out rollout's thread cannot be killed (it holds its
-pool's worker until its HTTP timeout or its environment returns); a push goes to the replicas one after
-another, so for a moment they serve different versions (each token is tagged with its own, and the
-staleness filter sees it); the async/sync equality and exact resume hold with the replicas' prefix cache
-off and one rollout at a time per task (a cache hit, or another request in the same engine batch, moves a
-logprob by a few ulps).
+Honest limits: the learning rates, eps bands, K and tau are ours (GLM-5 does not publish its RL ones); the
+trainer computes in fp32 and under torchrun has run on CPU ranks only, not GPUs; a push goes to the replicas
+one after another (each token is tagged with the version that sampled it); a timed-out rollout's thread
+cannot be killed; the async/sync equality and exact resume hold with the replicas' prefix cache off and one
+rollout at a time per task (a cache hit moves a logprob by a few ulps). Measured runs: docs/rl.md.
 """
 
 import ast
@@ -108,6 +46,39 @@ from orchestrator import Orchestrator, parse_eval_tasks, parse_tasks
 from replicas import process_restarter, push_weights, start_replicas, stop_replicas, weight_version
 from rl import filter_buffer
 from train import pick_device, quiet, save_checkpoint
+
+# -----------------------------------------------------------------------------
+# How the loop works
+#
+# - replicas: serve.py servers given as URLs (a cluster's) or started here on free loopback ports and stopped
+#   at exit. Each rollout id is pinned to one replica by rl.route. A replica that refuses connections leaves
+#   the ring and its rollouts start over on the others (the partial record is thrown away, so nothing is
+#   trained twice); one this script started is restarted, one given as a URL is probed; once it answers it
+#   gets the trainer's last pushed weights and rejoins the ring.
+# - the orchestrator: groups of group_size rollouts (one task, one training-split seed; held-out seeds stay
+#   for evaluation), the task drawn from the mix, on one thread pool per task (its concurrency cap). A rollout
+#   that raises or outlives rollout_timeout gives a failed sample; the group rule drops it.
+# - the trainer: wait for groups_per_step finished groups, rl.filter_buffer against its own version,
+#   rl.rl_step, and every push_every steps save_pretrained + POST /update_weights_from_disk to every replica
+#   (version = step), then the optimizer reset the report does after each push (reset_on_push).
+# - the stages, in the report's order: "reasoning" (Eq. 1, rl.reasoning_loss, on math, entirely
+#   on-policy), "agentic" (direct double-sided importance sampling, rl.agentic_loss, asynchronous),
+#   "general" (the agentic loss on rule-based rewards; the report does not spell out its objective), then
+#   "distill" last (each token's advantage sg[log pi_teacher - log pi_student] through Eq. 1, the teacher
+#   of each task the final checkpoint of the stage that trained it, `teachers`). A distill run after every
+#   stage is the option one summary of the report describes. eval_tasks adds the earlier stages' tasks to
+#   the held-out evaluation, so forgetting shows in the log.
+# - checkpoints: out_dir/ckpt.pt, atomic, every ckpt_every steps: the model, both optimizers, the step, the
+#   orchestrator's state and the settings. --resume=True gives the replicas its weights, plays its untrained
+#   groups again with the same ids and seeds and cuts metrics.jsonl back; the sampling settings must be the
+#   same (RESUME_SAME) and the replicas not past its version. A sync run resumed equals the one never killed;
+#   an async one samples the groups in flight at the save again (as slime throws partial rollouts away).
+# - at scale the trainer runs under torchrun with train.py's sharding (FSDP2, optional expert parallelism):
+#   rank 0 runs the loop and broadcasts each step's batch; every rank trains its rows (rl.backward_batch); a
+#   push or a checkpoint gathers the shards to rank 0. A push goes through storage every replica reads; a
+#   torch.distributed broadcast from the trainer's ranks to the replicas' would skip the disk, and is not
+#   built.
+
 
 # -----------------------------------------------------------------------------
 # The training loop: settings

@@ -1,44 +1,27 @@
 """
-The agent loop and the TITO gateway: a policy plays an environment through the chat template, token in,
-token out (GLM-5 report, arXiv 2602.15763, its agentic RL sections: only the tokens the model generated
-carry loss, environment tokens are masked; the sampled ids, their logprobs and the policy version that
-sampled each are kept as they came from the inference engine, never re-tokenized, which the report's TITO
-gateway does; samples from crashed environments are dropped).
+The agent loop and the TITO gateway (GLM-5 report, arXiv 2602.15763, its agentic RL sections: only the
+tokens the model generated carry loss; the sampled ids, their logprobs and the policy version of each are
+kept as the inference engine returned them, never re-tokenized; samples from crashed environments dropped;
+the context management of search agents, keep-recent-k and discard-all).
 
-rollout() renders the conversation with chat.py's template, asks the policy for token ids, parses tool calls
-with chat.parse_reply, runs them in the environment (envs.py), appends the observation tokens and records
-per token whether the model produced it (mask True: RL trains on it) or the environment (False):
-
-    prompt ids (mask False) | model ids + logprobs (True) | observation ids (False) | model ids (True) | ...
-
-The context management of the report's search agents, keep-recent-k (the results of all but the last k = 5
-tool rounds folded to a stub) and discard-all (past a context threshold, every tool round removed), changes
-the prefix, so a rollout is a list of segments in which every model token is trained once; the segments
-share the rollout's id and reward, and rl.py counts them as one group member.
-
-The prompt is GLM-5's chat format (chat.py): the environment's tools in the tool list's system block, tool
-calls in <arg_key>/<arg_value> tags, results in <tool_response> blocks after the model's <|observation|>.
-
-Gateway is the policy that samples from a serve.py replica (POST /v1/completions with the prompt as ids)
-and is the one place the rollout's token record is kept: per request the exact prompt and completion ids,
-each sampled token's logprob and policy version; per token the loss mask. Every turn's prompt must extend
-the previous prompt + completion exactly, or TITOMismatch is raised before the request is sent (we raise
-rather than mask: a context that changed behind the record is a bug to fix, not a sample to train).
-trajectories() turns the record into Trajectory records for the trainer (rl_async.py).
+rollout() renders the conversation with chat.py's template, asks the policy for ids, runs the tool calls in
+the environment and records per token whether the model sampled it (mask True) or not:
+    prompt ids (False) | model ids + logprobs (True) | observation ids (False) | model ids (True) | ...
+Folding old tool results or discarding every tool round rewrites the prefix, so a rollout is a list of
+segments, each model token trained once; the segments share the rollout's id and reward (one group member
+in rl.py). Gateway samples from a serve.py replica and keeps the token record; a turn whose prompt does not
+extend the record exactly raises TITOMismatch before anything is sent.
 
 Run it:
     python rollout.py          # one episode per environment, played by the task's own solution (oracle)
-    python serve.py --ckpt out_sft/ckpt.pt --port 8000    # a replica; then, in Python, a model plays:
-        gw = rollout.Gateway("http://127.0.0.1:8000", rollout_id="r0")
-        episode = rollout.rollout(envs.MathEnv(0), gw, tok)
-        records = rollout.trajectories(gw, episode, group=0)
+    gw = rollout.Gateway("http://127.0.0.1:8000", rollout_id="r0")   # against `python serve.py --ckpt ...`
+    episode = rollout.rollout(envs.MathEnv(0), gw, tok)
+    records = rollout.trajectories(gw, episode, group=0)
 Tests: python -m pytest -q tests/test_rollout.py
-
-Honest limits: the policies here are scripted, the task's own solution, or a replica behind the gateway
-(one request at a time, n = 1, no retry: a replica that fails raises, and the rollout with it). A reply
-with no reasoning while thinking is on is sampled as <think></think> but re-rendered by the template as a
-bare </think>, so its segment's ids differ from chat.render(messages) there: the segment keeps what was
-sampled. The discard-all threshold is ours (the report does not publish it): the env's context_threshold.
+Honest limits: one request at a time per rollout, n = 1, no retry (a replica that fails raises, and the
+rollout with it); a reply with no reasoning while thinking is on is sampled as <think></think> but the
+template re-renders a bare </think>: the segment keeps what was sampled; the discard-all threshold is ours
+(the report does not publish it): the env's context_threshold.
 """
 
 import sys
