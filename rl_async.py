@@ -363,13 +363,14 @@ def train(m, tok, urls, cfg, log=print, revive=None, world=1, rank=0):
                 stats = train_step(m, optimizers, kept, tasks, teacher_of_task, cfg, world, rank, version)
                 version += 1
                 record.update(stats)
-            by_task = {}  # the training reward of each task of the mix, this step's valid trajectories
-            for t in batch:
-                if not t.failed:
-                    by_task.setdefault(orch.task_of(t.group), []).append(t.reward)
+            # the training reward, over this step's valid rollouts (a folded one counts once), and per task
+            valid = [batch[idx[0]] for idx in rl.rollouts(batch).values() if not batch[idx[0]].failed]
+            by_task = {}
+            for t in valid:
+                by_task.setdefault(orch.task_of(t.group), []).append(t.reward)
             record["task_reward"] = {k: mean(v) for k, v in sorted(by_task.items())}
             orch.used(groups)
-            record.update(reward=mean([t.reward for t in batch if not t.failed]), **fstats)
+            record.update(reward=mean([t.reward for t in valid]), **fstats)
             record["staleness"] = {str(k): n for k, n in fstats["staleness"].items()}  # JSON's keys
             record.update(trained=bool(kept), trajectories=len(kept))
             save = step % cfg["ckpt_every"] == 0 or step == cfg["max_steps"]
