@@ -16,9 +16,29 @@ import experts  # noqa: E402
 import model  # noqa: E402
 
 
+# The core tier: the model's math and the algorithms the report describes, each against its reference
+# (reference.py, dense-masked DSA, naive MLA, per-matrix Muon, the RL losses by hand, the kernels under
+# Triton's interpreter), no server, sandbox or training run: python -m pytest -q -m core tests
+CORE_FILES = (
+    "test_reference.py",
+    "test_dsa.py",
+    "test_model.py",
+    "test_muon.py",
+    "test_rl.py",
+    "test_kernels.py",
+)
+
+
 def pytest_configure(config):
     # the fast tier a reader runs while editing: python -m pytest -q -m "not slow" tests
     config.addinivalue_line("markers", "slow: over ~5 s on 2 cores; left out of the fast tier")
+    config.addinivalue_line("markers", "core: the model's math and the report's algorithms (CORE_FILES)")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in CORE_FILES and not item.get_closest_marker("slow"):
+            item.add_marker(pytest.mark.core)
 
 
 def _gloo_rank(rank, world, init_file, check, args):
