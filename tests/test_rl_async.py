@@ -510,9 +510,8 @@ def test_the_loop_learns_a_reward_the_policy_can_reach(loop, monkeypatch):
     """End to end, async: the held-out reward of the short-reply task rises well past where it starts, so the
     losses, advantages and pushes point the right way. With the report's wiring (r - mean(r) advantages, the
     optimizer reset after every push) 30 steps took it from 0.60 to 0.75-0.88 over six runs, too close to the
-    bound; 40 steps to 0.86-0.88 over four (async sampling varies between runs). The held-out reward is one sample per episode: over 32
-    episodes its own noise was about 0.06 (one full-suite run read 0.72 where others read 0.81-0.94), over
-    96 it is about 0.035."""
+    bound; 40 steps to 0.86-0.88 over four (async sampling varies between runs). The held-out reward is one
+    sample per episode: over 32 episodes its own noise was about 0.06, over 96 it is about 0.035."""
     make, settings = loop
     monkeypatch.setitem(envs.ENVS, "short", ShortEnv)
     urls, servers, m = make(2)
