@@ -511,7 +511,7 @@ def quantize_checkpoint(
         if rotate and cfg.num_nextn_predict_layers and "lm_head.weight" in todo and not has_mtp_head:
             todo[mtp_head_name(cfg)] = todo["lm_head.weight"]  # the MTP block gets its own head (see above)
         for j in range(cfg.num_nextn_predict_layers if rotate else 0):
-            if mtp_input_map_name(j, cfg).replace("input_map", "weight") in todo:  # beside its hnorm
+            if f"model.layers.{cfg.num_hidden_layers + j}.hnorm.weight" in todo:  # in the shard of its hnorm
                 todo[mtp_input_map_name(j, cfg)] = None  # rotate_tensor makes it from model.norm's weight
         written = {}
         for name, t in todo.items():

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 import experts
 import kernels_quant
 import weights
+from mla import RMSNorm
 from model import GLM5, MoE
 
 # -----------------------------------------------------------------------------
@@ -112,15 +113,13 @@ class QuantExperts(nn.Module):
         return out
 
 
-class MTPHeadNorm(nn.Module):
+class MTPHeadNorm(RMSNorm):
     """shared_head.norm for an MTP block with its own head H_mtp, in a model whose lm_head H is shared:
     RMSNorm(x) M^T with M (D, D) solving H M = H_mtp (least squares; exact when H's columns are
     independent), so lm_head(this) = H_mtp RMSNorm(x)."""
 
     def __init__(self, dim, eps):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        super().__init__(dim, eps)
         self.register_buffer("to_main", torch.zeros(dim, dim))
 
     @classmethod
@@ -137,12 +136,11 @@ class MTPHeadNorm(nn.Module):
         self.to_main.copy_(M.T.to(self.to_main.dtype))
 
     def forward(self, x):
-        xf = x.to(torch.promote_types(x.dtype, torch.float32))
-        y = self.weight * F.rms_norm(xf, (xf.shape[-1],), eps=self.eps).to(x.dtype)
+        y = super().forward(x)
         return y @ self.to_main.to(y.dtype)  # y M^T: lm_head of it is y M^T H^T = y H_mtp^T
 
 
-class MTPInputNorm(nn.Module):
+class MTPInputNorm(RMSNorm):
     """hnorm for the MTP block of a rotated checkpoint: RMSNorm(y A) * weight, A = input_map (D, D).
 
     The released weights' contract hands the MTP block model.norm's output, w ⊙ n(h) (n: RMSNorm without
@@ -153,9 +151,7 @@ class MTPInputNorm(nn.Module):
     (w_s ⊙ n(x)) Q: one map serves every step, and RMSNorm sees the RMS the unrotated model sees."""
 
     def __init__(self, dim, eps):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        super().__init__(dim, eps)
         self.register_buffer("input_map", torch.eye(dim))
 
     @classmethod
@@ -167,9 +163,8 @@ class MTPInputNorm(nn.Module):
         return m
 
     def forward(self, y):
-        y = y @ self.input_map.to(y.dtype)  # (.., D): the hidden the unrotated block would read, rotated
-        yf = y.to(torch.promote_types(y.dtype, torch.float32))
-        return self.weight * F.rms_norm(yf, (yf.shape[-1],), eps=self.eps).to(y.dtype)
+        # the hidden the unrotated block would read, in the rotated basis
+        return super().forward(y @ self.input_map.to(y.dtype))
 
 
 # -----------------------------------------------------------------------------
