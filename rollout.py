@@ -101,8 +101,8 @@ def fold(messages, keep):
 
 def discard_all(messages):
     """Discard-all (GLM-5 report, context management of search agents; the DeepSeek-V3.2 report names the
-    same strategy): once the context passes a threshold, every tool round so far (the calls and their results) is removed,
-    and the agent goes on from its system prompt and task alone."""
+    same strategy): once the context passes a threshold, every tool round so far (the calls and their
+    results) is removed, and the agent goes on from its system prompt and task alone."""
     gone = set()
     for i, answers in tool_rounds(messages):
         gone.add(i)
