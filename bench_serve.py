@@ -299,7 +299,7 @@ def bench_dsa(contexts, rows, reps, dev, dtype):
                 f"{(weight_bytes / bw + score8) * 1e3:.1f} ms",
                 flush=True,
             )
-        # dense attention is arithmetic too, and more of it: MLA.decode_attention's two products over all S
+        # dense attention is arithmetic too, and more of it: paged_attention.decode_attention's two products over all S
         # latents, [q_abs | q_pe] (H x (C + R)) against them and the probabilities back through them
         H = cfg.num_attention_heads
         q_cat = torch.randn(H, C + R, device=dev, dtype=dtype)

@@ -25,7 +25,6 @@ probabilities and runs in torch.
 Run its tests with `python -m pytest -q tests/test_dsa.py tests/test_kernels.py`.
 """
 
-import math
 
 import torch
 import torch.nn as nn
@@ -88,27 +87,13 @@ class Indexer(nn.Module):
         return index_scores(q, w, k_all, self.softmax_scale)
 
 
-def index_scores(q, w, k_all, softmax_scale, work=None):
+def index_scores(q, w, k_all, softmax_scale):
     """The lightning indexer: I[t, s] = sum_j w[t, j] ReLU(q[t, j] . k[s] * scale) -> (B, T, S) fp32,
-    no mask (causal_index_scores adds the causal one). k_all (B, S, Di), or (S, Di) keys shared by every
-    row (a page pool, read in place, no per-row copy: on a CPU one oneDNN GEMM with the keys as its rows,
-    linear.py's rule, 2.2 against MKL's 5.6 ms at 64K keys; else one matmul whose (B, T, Hi, N) products go
-    into a buffer of `work` reused across steps: see reused)."""
-    B, T, Hi, Di = q.shape
+    no mask (causal_index_scores adds the causal one). q (B, T, Hi, Di), w (B, T, Hi), k_all (B, S, Di).
+    The scale > 0 goes on the head weights: w_j ReLU(s x) = (s w_j) ReLU(x), one pass less over the
+    (B, T, Hi, S) products."""
     with torch.autocast(q.device.type, enabled=False):  # fp32 scores, also under autocast
-        k = upcast(k_all).to(q.dtype)  # (N, Di) or (B, S, Di)
-        q2 = q.reshape(-1, Di)  # (B T Hi, Di)
-        if k_all.dim() == 2 and linear.uses_onednn(k, q2):  # a pool on a CPU: oneDNN, keys as the rows
-            dots = linear.linear(k, q2).relu_().view(-1, B * T, Hi)  # (N, B T, Hi)
-            return torch.einsum("nrh,rh->rn", dots, (w * softmax_scale).reshape(B * T, Hi)).view(B, T, -1)
-        if k_all.dim() == 3:
-            dots = torch.einsum("bthd,bsd->bths", q, k)  # (B, T, Hi, S)
-        elif work is None or torch.is_grad_enabled():  # a pool: one matmul (out= takes no gradient)
-            dots = (q2 @ k.t()).view(B, T, Hi, -1)  # (B, T, Hi, N)
-        else:  # a pool: one matmul into the reused buffer
-            dots = reused(work, "dots", (B * T * Hi, k.shape[0]), q.dtype, q.device)
-            torch.matmul(q2, k.t(), out=dots)
-            dots = dots.view(B, T, Hi, -1)  # (B, T, Hi, N)
+        dots = torch.einsum("bthd,bsd->bths", q, upcast(k_all).to(q.dtype))  # (B, T, Hi, S)
         return torch.einsum("bths,bth->bts", relu(dots), w * softmax_scale)
 
 
@@ -122,7 +107,8 @@ def index_scores(q, w, k_all, softmax_scale, work=None):
 # (training runs without a cache). On a GPU the int8 keys run this torch path, not kernels.py's fused index
 # kernel (which takes float keys): fine for decode, but a long prefill materialises (B, T, Hi, S) scores.
 # Not done here: the later release also rotates q and k by a Hadamard transform before quantizing them
-# (dot products unchanged, outliers spread); on the toy the int8 selection costs no measurable loss (README).
+# (dot products unchanged, outliers spread); on the toy the int8 selection costs no measurable loss
+# (docs/choices.md).
 
 SCALE_BYTES = 4  # a packed key ends with its fp32 scale, as 4 int8 bytes
 
@@ -171,6 +157,15 @@ def index_cache_layout(index_quant, index_head_dim, dtype):
     return index_head_dim, dtype
 
 
+def check_cached_keys(keys, index_quant):
+    """A clear error for a cache whose index keys (int8 or float) do not match config.index_quant."""
+    if (keys.dtype == torch.int8) != (index_quant == "int8"):
+        raise ValueError(
+            f"the cache holds {keys.dtype} index keys but config.index_quant is {index_quant!r}; set "
+            "index_quant before building the cache (or the Engine)"
+        )
+
+
 def to_index_cache(index_k, cache_dtype):
     """This step's (..., Di) float keys in a cache's format: packed int8 or the cache's float dtype."""
     if cache_dtype == torch.int8:
@@ -178,64 +173,27 @@ def to_index_cache(index_k, cache_dtype):
     return index_k.to(cache_dtype)
 
 
-def quantized_index_scores(q, w, packed_k, softmax_scale, work=None):
-    """index_scores from int8 q and k -> (B, T, S) fp32; packed_k (B, S, Di + 4), or (S, Di + 4) keys shared
-    by every row (a page pool read in place).
+def quantized_index_scores(q, w, packed_k, softmax_scale):
+    """index_scores from int8 q and k -> (B, T, S) fp32; packed_k (B, S, Di + 4).
 
         I[t, s] = k_scale[s] * sum_j (w[t, j] q_scale[t, j] scale) ReLU(q_int[t, j] . k_int[s])
 
     (the scales are > 0, so they move out of the ReLU). Each dot product is an exact integer
-    (|.| <= 127^2 x Di < 2^24, so fp32 holds every partial sum exactly): the int8 GEMM a CPU runs for a pool
-    and the fp32 einsum elsewhere give the same dot products whatever the batch or the order of the sum. The
-    head-weighted sum after them is fp32, as in index_scores, so its last bits may depend on the shape it
-    runs at (a decode step against a full forward), as the float path's do. Over a pool the int32 products
-    and their fp32 copy go into buffers of `work` reused across steps (see reused)."""
-    B, T, Hi, Di = q.shape
-    k_int, k_scale = unpack_index_keys(packed_k)  # (B, S, Di) or (S, Di); (B, S) or (S,)
+    (|.| <= 127^2 x Di < 2^24, so fp32 holds every partial sum exactly), so any int8 GEMM (the serving
+    engine's over its page pool, paged_attention.py) gives the same dot products as this fp32 einsum,
+    whatever the batch or the order of the sum. The head-weighted sum after them is fp32, as in
+    index_scores, so its last bits may depend on the shape it runs at, as the float path's do."""
+    k_int, k_scale = unpack_index_keys(packed_k)  # (B, S, Di), (B, S)
     q_int, q_scale = quantize_int8(q)  # (B, T, Hi, Di), (B, T, Hi)
     with torch.autocast(q.device.type, enabled=False):
-        if k_int.dim() == 2 and q.device.type == "cpu":  # one int8 GEMM (VNNI / AMX where the CPU has it)
-            shape = (B * T * Hi, k_int.shape[0])
-            dots_int = reused(work, "dots_int", shape, torch.int32, q.device)
-            torch._int_mm(q_int.reshape(-1, Di), k_int.t(), out=dots_int)
-            dots = reused(work, "dots", shape, torch.float32, q.device)
-            dots.copy_(dots_int.relu_())
-            dots = dots.view(B, T, Hi, -1)  # (B, T, Hi, N)
-        else:
-            pattern = "bthd,bsd->bths" if k_int.dim() == 3 else "bthd,sd->bths"
-            dots = torch.einsum(pattern, q_int.float(), k_int.float()).relu_()  # (B, T, Hi, S)
+        dots = torch.einsum("bthd,bsd->bths", q_int.float(), k_int.float()).relu_()  # (B, T, Hi, S)
         I = torch.einsum("bths,bth->bts", dots, w.float() * q_scale * softmax_scale)
         return I * k_scale.unsqueeze(-2)  # (B, T, S)
 
 
-WORK_MAX_BYTES = 64 * 2**20  # a reused buffer's most: bigger ones (wide batches) stay temporaries
-
-
-def reused(work, name, shape, dtype, device):
-    """An uninitialised `shape` tensor: the buffer `work[name]` (grown when too small, kept) where `work` is a
-    dict and the tensor at most WORK_MAX_BYTES, a fresh tensor otherwise. A paged cache holds one such dict
-    (PagedCache.work) for its decode steps (mla.MLA passes it when T == 1), which write their (Hi, N) int8
-    index products, 8 MB per row at 64K tokens, and their 2,048 gathered latents, 4.7 MB, into the same
-    memory every layer and step. A fresh tensor that size costs more than the product filling it: glibc maps
-    large blocks from the OS and hands them back on free, so each step page-faults them in again (the int8
-    scores of bench_serve.py part 3 took 1.7 ms or 5-14 ms per step depending on the run's allocation
-    history; 1.7 ms with this). The float scores over a pool on a CPU go through oneDNN instead, whose op
-    takes no output buffer: a fresh (N, Hi) tensor per layer, paid for by a product 2.5x faster than MKL's."""
-    n = math.prod(shape)
-    if work is None or n * dtype.itemsize > WORK_MAX_BYTES:
-        return torch.empty(shape, dtype=dtype, device=device)
-    buf = work.get(name)
-    if buf is None or buf.numel() < n or buf.dtype != dtype or buf.device != torch.device(device):
-        buf = torch.empty(n, dtype=dtype, device=device)
-        work[name] = buf
-    return buf[:n].view(shape)
-
-
 def relu(dots):
-    """ReLU of the indexer's dot products, in place when no gradient is taken. The scale > 0 goes on the
-    head weights instead, w_j ReLU(s x) = (s w_j) ReLU(x): at 64K keys the (Hi, S) tensor is 8 MB, and each
-    pass over it (a scale, a fresh ReLU) took a CPU thread about 3.6 ms (torch.profiler over the 64K step of
-    bench_serve.py part 3; the whole step's time did not change beyond its noise, README)."""
+    """ReLU of the indexer's dot products, in place when no gradient is taken: the (B, T, Hi, S) products
+    are the indexer's largest tensor (8 MB a query at 64K keys), and a second copy of them is not needed."""
     if torch.is_grad_enabled() and dots.requires_grad:
         return F.relu(dots)
     return dots.relu_()
@@ -296,45 +254,27 @@ def causal_index_scores(q, w, k_all, last, softmax_scale):
     return I.masked_fill(~visible, float("-inf"))
 
 
-def index_topk(q, w, k_all, last, topk, softmax_scale, rows=None, work=None):
+def index_topk(q, w, k_all, last, topk, softmax_scale):
     """The DSA selection: each query's min(topk, S) best keys among positions 0..last.
 
     q (B, T, Hi, Di), w (B, T, Hi), k_all (B, S, Di) the (cached) index keys, last (B, T) or (1, T): the
     last key position each query may see. Returns idx, valid (B, T, min(topk, S)), as topk_select.
-    rows (B, S): the keys live in a page pool, k_all (N, Di), and position s of row b is pool row
-    rows[b, s]; the scores are taken over the pool in place (no copy of any row's keys), put back in
-    position order (S floats per query, for the tie-breaking) and idx is returned as pool rows.
-    k_all may be packed int8 keys (..., Di + 4) (ModelConfig.index_quant "int8"): then the scores are
-    quantized_index_scores, in torch on every device. work: a dict of buffers reused across steps for the
-    pool's products (PagedCache.work; None: fresh ones), not used inside torch.compile.
-    The scores run as a Triton kernel where kernels.use_triton says so, else in torch; the selection is
-    discrete, so no gradient flows through it (the KL trains the indexer, from selected_index_scores)."""
+    k_all may be packed int8 keys (B, S, Di + 4) (ModelConfig.index_quant "int8"): then the scores are
+    quantized_index_scores, in torch on every device. Otherwise the scores run as a Triton kernel where
+    kernels.use_triton says so, else in torch. The selection is discrete, so no gradient flows through it
+    (the KL trains the indexer, from selected_index_scores)."""
     B, T = q.shape[:2]
     last = last.expand(B, T)
-    S = k_all.shape[1] if rows is None else rows.shape[1]
-    quantized = k_all.dtype == torch.int8  # packed int8 keys (index_quant "int8"): scored in torch
-    triton = kernels.use_triton(q) and not quantized
-    in_pool = rows is not None and not triton
-    if rows is not None and not in_pool:  # the kernel takes one key row per position: gather them
-        k_all = k_all[rows]  # (B, S, Di)
-    score = quantized_index_scores if quantized else index_scores
+    S = k_all.shape[1]
     with torch.no_grad():
-        if in_pool:
-            if torch.compiler.is_compiling():  # the graph allocates its own buffers
-                work = None
-            I = score(q, w, k_all, softmax_scale, work)  # (B, T, N) over the whole pool
-            I = I.gather(-1, rows[:, None, :].expand(B, T, S))  # (B, T, S) in position order
-        elif quantized:
-            I = score(q, w, k_all, softmax_scale)  # (B, T, S); topk_select below masks the future
-        elif triton:
+        if k_all.dtype == torch.int8:
+            I = quantized_index_scores(q, w, k_all, softmax_scale)  # (B, T, S); topk_select masks the future
+        elif kernels.use_triton(q):
             I = kernels.index_scores(q, w, k_all, last, softmax_scale)  # (B, T, S), fused causal mask
         else:
             I = causal_index_scores(q, w, k_all, last, softmax_scale)
     visible = torch.arange(S, device=q.device) <= last[..., None]  # (B, T, S)
-    idx, valid = topk_select(I, visible, min(topk, S))
-    if rows is not None:
-        idx = rows.gather(1, idx.flatten(1)).view_as(idx)  # positions -> pool rows
-    return idx, valid
+    return topk_select(I, visible, min(topk, S))
 
 
 def selection_mask(idx, valid, S):
@@ -347,66 +287,47 @@ def selection_mask(idx, valid, S):
 # Sparse MLA over the selected latents (absorbed / MQA form, prefill and decode alike)
 
 
-def gather_rows(latent, idx, work=None):
+def gather_rows(latent, idx):
     """latent (B, S, F), idx (B, T, K) positions in each row -> latent[b, idx[b, t, k]] (B, T, K, F), as
     whole-row copies (index_select over the flattened rows: several times faster on a CPU than indexing
-    with two index tensors). A page pool shared by every row (an expanded view, batch stride 0; idx are
-    pool rows), or a single row (idx are its positions), is selected from directly, into a buffer of `work`
-    (reused, see reused) when one is given and no gradient is taken."""
+    with two index tensors)."""
     B, S, F = latent.shape
-    if torch.compiler.is_compiling():  # inductor writes its own loop for this form (see PagedCache.write)
-        return latent[torch.arange(B, device=idx.device)[:, None, None], idx]
-    if latent.stride(0) == 0 or B == 1:
-        if torch.is_grad_enabled():  # out= takes no gradient
-            return latent[0].index_select(0, idx.flatten()).view(*idx.shape, F)
-        out = reused(work, "selected", (idx.numel(), F), latent.dtype, latent.device)
-        return torch.index_select(latent[0], 0, idx.flatten(), out=out).view(*idx.shape, F)
     flat = idx + (torch.arange(B, device=idx.device) * S)[:, None, None]  # (B, T, K) rows of (B * S, F)
     return latent.reshape(B * S, F).index_select(0, flat.flatten()).view(*idx.shape, F)
 
 
-def sparse_scores(q_abs, q_pe, latent, idx, valid, softmax_scale, work=None):
+def sparse_scores(q_abs, q_pe, latent, idx, valid, softmax_scale):
     """Gather each query's selected latents and score them: -> scores (B, T, H, K) in fp32, -inf where
-    invalid, and the gathered rows sel (B, T, K, C + R). One query (a decode step of one row) scores with
-    one linear.linear, [q_abs | q_pe] against the selected rows as its weight (oneDNN's GEMM on a CPU: half
-    the einsums' time, 0.33 against 0.77 ms at GLM-5's 64 heads x 2048 selected rows)."""
-    B, T, H, C = q_abs.shape
-    sel = gather_rows(latent, idx, work)  # (B, T, K, C + R)
-    if B * T == 1:
-        q = torch.cat([q_abs[0, 0], q_pe[0, 0]], dim=-1)  # (H, C + R)
-        scores = linear.linear(q, sel[0, 0]).view(1, 1, H, -1)  # (1, 1, H, K)
-    else:
-        c_sel, pe_sel = sel.split([C, sel.shape[-1] - C], dim=-1)
-        scores = torch.einsum("bthc,btkc->bthk", q_abs, c_sel) + torch.einsum("bthr,btkr->bthk", q_pe, pe_sel)
+    invalid, and the gathered rows sel (B, T, K, C + R)."""
+    C = q_abs.shape[-1]
+    sel = gather_rows(latent, idx)  # (B, T, K, C + R)
+    c_sel, pe_sel = sel.split([C, sel.shape[-1] - C], dim=-1)
+    scores = torch.einsum("bthc,btkc->bthk", q_abs, c_sel) + torch.einsum("bthr,btkr->bthk", q_pe, pe_sel)
     scores = (upcast(scores) * softmax_scale).masked_fill(~valid[:, :, None, :], float("-inf"))
     return scores, sel
 
 
-def sparse_mla_torch(q_abs, q_pe, latent, idx, valid, softmax_scale, work=None):
+def sparse_mla_torch(q_abs, q_pe, latent, idx, valid, softmax_scale):
     """The torch path of sparse_mla: a (B, T, K, C + R) gather, then softmax attention over it."""
     C = q_abs.shape[-1]
-    scores, sel = sparse_scores(q_abs, q_pe, latent, idx, valid, softmax_scale, work)  # (B, T, H, K)
+    scores, sel = sparse_scores(q_abs, q_pe, latent, idx, valid, softmax_scale)  # (B, T, H, K)
     probs = scores.softmax(dim=-1).to(sel.dtype)  # (B, T, H, K)
-    if probs.shape[0] * probs.shape[1] == 1:  # one query, as in sparse_scores: all C + R columns, then C
-        o_lat = linear.linear(probs[0, 0], sel[0, 0].t())[None, None, :, :C]  # (1, 1, H, C)
-    else:
-        o_lat = torch.einsum("bthk,btkc->bthc", probs, sel[..., :C])
+    o_lat = torch.einsum("bthk,btkc->bthc", probs, sel[..., :C])
     return o_lat, scores.logsumexp(dim=-1)
 
 
-def sparse_mla(q_abs, q_pe, latent, idx, valid, softmax_scale, work=None):
+def sparse_mla(q_abs, q_pe, latent, idx, valid, softmax_scale):
     """Attention of each query over only its selected cached latents.
 
     q_abs (B, T, H, C): query with W_UK folded in (C = kv_lora_rank);  q_pe (B, T, H, R) roped;
     latent (B, S, C + R): [c_kv | k_pe] per token;  idx, valid (B, T, K).
     Returns o_lat (B, T, H, C) (the caller folds in W_UV) and the log-sum-exp lse (B, T, H) fp32, which
     is all the indexer KL's target needs. Differentiable; Triton (forward and backward) where
-    kernels.use_triton says so, else sparse_mla_torch. work: buffers reused across steps for the torch
-    path's gather from a page pool (PagedCache.work; see reused).
+    kernels.use_triton says so, else sparse_mla_torch.
     """
     if kernels.use_triton(q_abs):
         return kernels.sparse_mla(q_abs, q_pe, latent, idx, valid, softmax_scale)
-    return sparse_mla_torch(q_abs, q_pe, latent, idx, valid, softmax_scale, work)
+    return sparse_mla_torch(q_abs, q_pe, latent, idx, valid, softmax_scale)
 
 
 # -----------------------------------------------------------------------------

@@ -36,11 +36,9 @@ import uuid
 import torch
 
 import chat
-import mla
 import model as glm
 import sampling
 import weights
-from dsa import upcast
 from paged_cache import PagedCache
 
 # -----------------------------------------------------------------------------
@@ -464,34 +462,21 @@ class Engine:
 
     def forward(self, ids, starts, rows):
         """ids (B, T), starts: each row's first position -> h (B, T, D), the main stack's output after
-        model.norm (GLM5.forward's, over the pages): what lm_head reads (logits() at the positions wanted)
+        model.norm (GLM5.hidden_states over the pages): what lm_head reads (logits() at the positions wanted)
         and what the MTP block takes as its first hidden state."""
         if self.compiled_layers is None or ids.shape[1] == 1:
             # one token (a prompt whose prefix was cached but its last token): eager, as torch.compile
             # would build separate graphs for a length of 1; a decode step goes through decode_step
-            h = self.layers(ids, self.place(rows, starts, ids.shape[1]))
-        else:
-            # compiled: the page tables at their fixed width, as in decode_step, so no page count recompiles
-            h = self.compiled_layers(ids, self.place(rows, starts, ids.shape[1], width=self.table_width))
-        return self.model.model.norm(h)
-
-    def rope(self, positions):
-        """positions (B, T) -> RoPE's cos, sin (B, T, R / 2), in the model's compute dtype."""
-        c = self.cfg
-        dtype = upcast(self.model.lm_head.weight).dtype
-        return mla.rope_cos_sin(positions, c.qk_rope_head_dim, c.rope_theta, dtype)
+            return self.layers(ids, self.place(rows, starts, ids.shape[1]))
+        # compiled: the page tables at their fixed width, as in decode_step, so no page count recompiles
+        return self.compiled_layers(ids, self.place(rows, starts, ids.shape[1], width=self.table_width))
 
     def layers(self, ids, positions):
-        """The main stack over the pages the cache points at: ids (B, T) -> h (B, T, D). What compile=True
-        compiles for the prefill (and verify) forwards."""
+        """The model's own decoder stack (GLM5.hidden_states) over the pages the cache points at: ids (B, T)
+        -> h (B, T, D) after model.norm. What compile=True compiles for the prefill (and verify) forwards."""
         if not self.signature:  # read here so that each graph guards on it (module_guards_filter)
             raise RuntimeError("an Engine without its model's weights_signature")
-        m = self.model
-        cos, sin = self.rope(positions)  # inside the compiled graph, fused with its first uses
-        h = m.model.embed_tokens(ids)
-        for layer in m.model.layers:
-            h, _, _ = layer(h, cos, sin, positions, self.cache)
-        return h
+        return self.model.hidden_states(ids, positions, self.cache)[0]
 
     def decode_hidden(self, ids, positions):
         """One decode step's forward up to the head: ids (B, 1) -> the final norm's output (B, D). What
@@ -499,8 +484,7 @@ class Engine:
         bucket's padding): through linear.py that is oneDNN's GEMM on a CPU, which ran the toy's 4,096-wide
         head at batch 32 in 178 against MKL's 340 us (inductor's graph calls MKL); the argmax stays out too
         (inductor's CPU argmax over 4,096 logits made a batch-32 step slower)."""
-        m = self.model
-        return m.model.norm(self.layers(ids, positions)[:, -1])
+        return self.layers(ids, positions)[:, -1]
 
     def decode_logits(self, ids, positions):
         """One decode step's forward, eager: ids (B, 1) -> logits (B, V)."""
@@ -520,7 +504,7 @@ class Engine:
         the released weights' contract)."""
         m = self.model
         positions = self.place(rows, starts, h.shape[1])
-        cos, sin = self.rope(positions)
+        cos, sin = m.rope(positions)
         emb = m.model.embed_tokens(next_ids)
         h2, _, _ = m.mtp_layers[0](h, emb, cos, sin, positions, self.cache)
         return m.lm_head(h2), h2

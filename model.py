@@ -230,7 +230,7 @@ class Block(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = MLA(cfg)
+        self.self_attn = MLA(cfg, layer_id)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         dense = layer_id < cfg.first_k_dense_replace
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size) if dense else MoE(cfg)
@@ -238,9 +238,7 @@ class Block(nn.Module):
     def forward(self, x, cos, sin, positions, cache=None, form=None, want_balance=False, want_kl=False):
         """-> (x, balance loss or None, indexer KL or None). The aux losses are returned, not collected
         in a shared container, so they survive FSDP2's wrapping of each block."""
-        a, kl = self.self_attn(
-            self.input_layernorm(x), cos, sin, positions, cache, self.layer_id, form, want_kl
-        )
+        a, kl = self.self_attn(self.input_layernorm(x), cos, sin, positions, cache, form, want_kl)
         x = x + a
         h = self.post_attention_layernorm(x)
         if isinstance(self.mlp, MoE):
@@ -314,6 +312,14 @@ class KVCache:
         self.kv[layer_id][rows, positions] = latent.to(self.kv.dtype)
         self.index_k[layer_id][rows, positions] = dsa.to_index_cache(index_k, self.index_k.dtype)
         return self.kv[layer_id][: len(rows), :S], self.index_k[layer_id][: len(rows), :S]
+
+    def attend(self, mla, q, latent, index_k, positions, form=None, want_kl=False):
+        """The one call mla.MLA.forward makes of a cache: store this step's latents (B, T, C + R) and index
+        keys (B, T, Di) at positions (B, T), then MLA.attend over each row's history, query t seeing
+        positions 0..positions[t], in the absorbed form unless `form` says otherwise."""
+        dsa.check_cached_keys(self.index_k, mla.cfg.index_quant)
+        latent_all, index_k_all = self.write(mla.layer_id, positions, latent, index_k)  # (B, S, ...)
+        return mla.attend(q, latent_all, index_k_all, positions, form or "absorb", want_kl)
 
 
 # -----------------------------------------------------------------------------
@@ -396,18 +402,9 @@ class GLM5(nn.Module):
             cache.length = (
                 start_pos if isinstance(start_pos, int) else int(torch.as_tensor(start_pos).max())
             ) + T
-        cos, sin = rope_cos_sin(
-            positions, c.qk_rope_head_dim, c.rope_theta, upcast(self.lm_head.weight).dtype
-        )
         want_balance = targets is not None and self.training
         want_kl = targets is not None and indexer_kl
-        balances, kls = [], []  # per-layer aux losses, returned by each block
-        h = self.model.embed_tokens(input_ids)
-        for layer in self.model.layers:
-            h, balance, kl = layer(h, cos, sin, positions, cache, form, want_balance, want_kl)
-            balances.append(balance)
-            kls.append(kl)
-        h = self.model.norm(h)  # (B, T, D): what lm_head reads, and the MTP block's first input
+        h, balances, kls = self.hidden_states(input_ids, positions, cache, form, want_balance, want_kl)
         logits = self.lm_head(h)
         if targets is None:
             return logits
@@ -417,7 +414,7 @@ class GLM5(nn.Module):
         losses["mtp"] = zero
         if mtp_weight:
             losses["mtp"] = self.mtp_loss(
-                h, input_ids, targets, cos, sin, positions, want_balance, want_kl, balances, kls
+                h, input_ids, targets, positions, want_balance, want_kl, balances, kls
             )
         balances, kls = [b for b in balances if b is not None], [k for k in kls if k is not None]
         losses["balance"] = torch.stack(balances).sum() if balances else zero
@@ -430,13 +427,29 @@ class GLM5(nn.Module):
         )
         return logits, losses
 
+    def rope(self, positions):
+        """positions (B, T) -> RoPE's cos, sin (B, T, qk_rope_head_dim / 2), fp32 (fp64 for a fp64 model)."""
+        c = self.config
+        return rope_cos_sin(positions, c.qk_rope_head_dim, c.rope_theta, upcast(self.lm_head.weight).dtype)
+
+    def hidden_states(self, input_ids, positions, cache=None, form=None, want_balance=False, want_kl=False):
+        """The decoder stack: input_ids (B, T) at positions (B, T) -> h (B, T, D) after model.norm (what
+        lm_head reads and the MTP block takes as its first input), and each layer's balance loss and indexer
+        KL (None where not asked). The serving engine runs this same loop over its page pool."""
+        cos, sin = self.rope(positions)
+        balances, kls = [], []  # per-layer aux losses, returned by each block
+        h = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            h, balance, kl = layer(h, cos, sin, positions, cache, form, want_balance, want_kl)
+            balances.append(balance)
+            kls.append(kl)
+        return self.model.norm(h), balances, kls
+
     def mtp_loss(
         self,
         h,
         input_ids,
         targets,
-        cos,
-        sin,
         positions,
         want_balance=False,
         want_kl=False,
@@ -453,6 +466,7 @@ class GLM5(nn.Module):
         steps = min(c.num_mtp_steps, T - 1) if self.mtp_layers else 0
         if steps <= 0:
             return h.new_zeros((), dtype=torch.float32)
+        cos, sin = self.rope(positions)
         total = 0.0
         for k in range(1, steps + 1):
             block = self.mtp_layers[min(k - 1, len(self.mtp_layers) - 1)]

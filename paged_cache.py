@@ -4,8 +4,9 @@ The paged latent cache with prefix caching: the serving engine's memory (engine.
 What it implements:
 - MLA's latent cache (GLM-5 report, section 2; DeepSeek-V2 report, section 2.1): per layer (the main
   layers, then the MTP block) and per token only the latent [c_kv | k_pe] (512 + 64 = 576 values at full
-  size) and the DSA indexer's 128-d key (DeepSeek-V3.2 report), so the model's own cache path (absorbed
-  MLA, the indexer over the cached keys, top-k, sparse attention) runs unchanged over it.
+  size) and the DSA indexer's 128-d key (DeepSeek-V3.2 report). PagedCache.attend is the cache call
+  mla.MLA.forward makes; it runs absorbed MLA, the indexer over the cached keys, top-k and sparse attention
+  over the pages through paged_attention.py.
 - Paging (vLLM's PagedAttention paper, Kwon et al. 2023, https://arxiv.org/abs/2309.06180): the pool is
   cut into pages of page_size tokens; a request holds a list of page ids (its page table), so requests of
   any length share one pool without fragmentation. Pages are reference-counted.
@@ -16,14 +17,11 @@ How attention reads it (in place, row by row, or gathered) is described at Paged
 
 Run it through engine.py (python bench_serve.py; python -m pytest -q tests/test_engine.py).
 
-Honest limits: the page bookkeeping (free list, reference counts, hashes) is Python on the host; in place,
-the pool's scores cost up to twice the rows' own (a paged attention kernel reads each row's pages only; on a
-GPU the Triton index kernel still gets gathered keys); reading rows one by one costs a Python loop per
-layer, so it is taken only from SPAN_MIN_BYTES up and only on a CPU, and a row whose pages are scattered is
-copied; read in place, a row's dense attention multiplies the other rows of the pool (or of its stretch) by
-a probability of exactly 0, so a non-finite latent there (none arises from finite weights) would reach it,
-where a gathered row reads only its own; a prefix hash covers token ids only, so a cache must be flushed
-when the weights change (flush()).
+Honest limits: the page bookkeeping (free list, reference counts, hashes) is Python on the host; a row
+whose pages are scattered is copied; read in place, a row's dense attention multiplies the other rows of the
+pool (or of its stretch) by a probability of exactly 0, so a non-finite latent there (none arises from
+finite weights) would reach it, where a gathered row reads only its own; a prefix hash covers token ids
+only, so a cache must be flushed when the weights change (flush()).
 """
 
 import collections
@@ -33,6 +31,7 @@ import json
 import torch
 
 import dsa
+import paged_attention
 
 
 def pool_rows(tables, S, P):
@@ -54,9 +53,9 @@ SPAN_MIN_BYTES = 2 * 2**20
 
 class PagedCache:
     """Pages of `page_size` tokens, per layer (main layers, then MTP): the latent [c_kv | k_pe] and the
-    indexer key. Before each forward the engine sets `tables` (B, max pages) of page ids; write() then
-    stores each row's new tokens at their positions and returns each row's history gathered into
-    (B, S, ...), the same API as model.KVCache.write."""
+    indexer key. Before each forward the engine points it at the rows' pages (point); attend() then stores
+    each row's new tokens at their positions and attends over each row's history (model.KVCache.attend's
+    API)."""
 
     def __init__(self, cfg, num_pages, page_size, device, dtype, in_place=True):
         L = cfg.num_hidden_layers + cfg.num_nextn_predict_layers
@@ -77,7 +76,7 @@ class PagedCache:
         self.in_place = in_place  # False: always gather each row's history (the reference path)
         self.rows = None
         self.spans = None  # (first, last + 1, rows) per row: a decode step reading each row alone (point)
-        self.work = {}  # buffers decode steps reuse for the pool's index products and gathers (dsa.reused)
+        self.work = {}  # buffers decode steps reuse for the pool's index products and gathers (paged_attention.reused)
 
     # How attention reads the cache: when the pool is at most twice the longest history (one long request, a
     # full server), attention reads the pool in place: DSA scores the index keys in the pool and reads only
@@ -85,7 +84,7 @@ class PagedCache:
     # several long requests share a larger pool, a decode step reads each row alone over its own stretch of
     # the pool, in place the same way (a request's pages are reserved at admission and handed out in ascending
     # order, so they lie together unless the free pages are scattered or a cached prefix sits elsewhere; such
-    # a row is gathered). Otherwise (a large pool, short rows) write() gathers each row's history into a
+    # a row is gathered). Otherwise (a large pool, short rows) gather() copies each row's history into a
     # (B, S, 576) tensor per layer, which is also the reference path (PagedCache(in_place=False)) the tests
     # hold the in-place one to.
     def point(self, tables, length, ends=None):
@@ -93,7 +92,7 @@ class PagedCache:
         int, so no layer reads positions back from the device). When the pool is at most twice the
         longest history (one long request; a full server), attention reads the pool in place through
         `rows` (B, S), each position's pool row: the pool's scores cost at most twice the rows' own, and
-        nothing is copied. Otherwise (a large pool, short rows) write() gathers each row's history.
+        nothing is copied. Otherwise (a large pool, short rows) gather() copies each row's history.
 
         ends: each row's history length after this forward (host ints), given for an eager decode step
         (or an MTP draft or verify step, a few tokens a row).
@@ -129,30 +128,51 @@ class PagedCache:
         return first * P, (last + 1) * P, rows - first * P
 
     def history_rows(self):
-        """Each row's positions 0..length-1 as pool rows (B, S): what write() gathers."""
+        """Each row's positions 0..length-1 as pool rows (B, S): what gather() copies."""
         return pool_rows(self.tables, self.length, self.page_size)
 
+    def attend(self, mla, q, latent, index_k, positions, form=None, want_kl=False):
+        """The one call mla.MLA.forward makes of a cache (model.KVCache.attend's): store this step's latents
+        (B, T, C + R) and index keys (B, T, Di) at positions (B, T), then attention over each row's history
+        -> (o (B, T, H, v), indexer KL or None). Serving's absorbed form reads the pool as point() chose,
+        through paged_attention.py: in place for all rows, row by row, or each history gathered. The naive
+        form and the indexer KL run the model's own mla.MLA.attend over the gathered history."""
+        layer = mla.layer_id
+        dsa.check_cached_keys(self.index_k, mla.cfg.index_quant)
+        self.write(layer, positions, latent, index_k)
+        kv_pool = self.kv[layer].view(-1, self.kv.shape[-1])  # (N, C + R), N = (pages + 1) x page_size
+        index_pool = self.index_k[layer].view(-1, self.index_k.shape[-1])  # (N, Ki)
+        if form == "naive" or want_kl:
+            rows = self.history_rows()  # (B, S)
+            return mla.attend(q, kv_pool[rows], index_pool[rows], positions, form or "absorb", want_kl)
+        work = self.work if positions.shape[1] == 1 else None  # decode steps reuse their buffers
+        if self.spans is not None:
+            o = paged_attention.attend_each_row(mla, q, kv_pool, index_pool, self.spans, positions, work)
+        elif self.rows is not None:
+            o = paged_attention.attend(mla, q, kv_pool, index_pool, self.rows, positions, work)
+        else:
+            latent_all, index_k_all = self.gather(layer)  # (B, S, ...)
+            o = paged_attention.attend(mla, q, latent_all, index_k_all, None, positions, work)
+        return o, None
+
     def write(self, layer_id, positions, latent, index_k):
-        """positions (B, T); latent (B, T, C + R); index_k (B, T, index_head_dim) -> every row's
-        history (B, S, C + R) and (B, S, Ki) (the model.KVCache.write API), or with self.rows set the
-        layer's pools (N, C + R) and (N, Ki), N = pages x page_size, read in place (mla.MLA.forward).
-        Ki is the cache's index key width: index_head_dim, or index_head_dim + 4 packed int8 bytes."""
+        """Store this step's latent (B, T, C + R) and index_k (B, T, index_head_dim) at positions (B, T) of
+        each row's pages, as the cache's index key width Ki: index_head_dim, or index_head_dim + 4 packed
+        int8 bytes. Each new token's pool place is its row's page at positions // P, slot positions % P,
+        written with one index_put_ on the whole pool (layer, page, slot). Written through a view of one
+        layer instead, a compiled step copied the whole pool back each step (functionalization)."""
         P = self.page_size
-        C, Ki = self.kv.shape[-1], self.index_k.shape[-1]
-        kv_pool = self.kv[layer_id].view(-1, C)  # (N, C + R), N = (pages + 1) x page_size: a view
-        index_pool = self.index_k[layer_id].view(-1, Ki)  # (N, Ki)
-        # each new token's pool place: its row's page at positions // P, slot positions % P, written with one
-        # index_put_ on the whole pool (layer, page, slot). Written through a view of one layer instead, a
-        # compiled step copied the whole pool back each step (functionalization): 0.46 ms at batch 32 with
-        # 265 pages, 4 ms with 1,000; index_put_ on the base tensor is done in place at any pool size
         pages = self.tables.gather(1, positions // P)  # (B, T)
         slots = positions % P  # (B, T)
         layer = pages.new_full((), layer_id)  # broadcast over (B, T)
         self.kv.index_put_((layer, pages, slots), latent.to(self.kv.dtype))
         index_k = dsa.to_index_cache(index_k, self.index_k.dtype)  # (B, T, Ki)
         self.index_k.index_put_((layer, pages, slots), index_k)
-        if self.rows is not None or self.spans is not None:
-            return kv_pool, index_pool
+
+    def gather(self, layer_id):
+        """Every row's history in this layer, copied out of its pages: (B, S, C + R) and (B, S, Ki)."""
+        P = self.page_size
+        C, Ki = self.kv.shape[-1], self.index_k.shape[-1]
         S = self.length
         t = self.tables[:, : (S + P - 1) // P]  # (B, n pages)
         B = t.shape[0]
@@ -160,8 +180,8 @@ class PagedCache:
         # compiled decode step 1.5x slower (batch 32, bench_serve.py part 0)
         if torch.compiler.is_compiling():
             rows = pool_rows(t, S, P)  # (B, S)
-            kv = kv_pool[rows]  # (B, S, C + R)
-            index_k = index_pool[rows]  # (B, S, Ki)
+            kv = self.kv[layer_id].view(-1, C)[rows]  # (B, S, C + R)
+            index_k = self.index_k[layer_id].view(-1, Ki)[rows]  # (B, S, Ki)
         else:
             kv = self.kv[layer_id].index_select(0, t.flatten()).view(B, -1, C)[:, :S]  # (B, S, C + R)
             index_k = self.index_k[layer_id].index_select(0, t.flatten()).view(B, -1, Ki)[:, :S]  # (B, S, Ki)

@@ -62,8 +62,9 @@ def prefix_units(rows, groups):
 # -----------------------------------------------------------------------------
 # A cache that holds the prefixes, with autograd
 #
-# How, with model.GLM5 unchanged: its forward takes a cache whose write(layer, positions, latent, index_k)
-# returns every key a query may see. PrefixCache is such a cache, built for training:
+# How, with model.GLM5 unchanged: its forward takes a cache, whose attend(mla, ...) stores a step's latents
+# and runs mla.MLA.attend over every key a query may see (model.KVCache.attend). PrefixCache is such a cache,
+# built for training, whose write(layer, positions, latent, index_k) returns those keys:
 # - the prefix pass (one row per group, right-padded, positions 0..P-1) keeps each layer's latents and index
 #   keys and returns them;
 # - the suffix pass (one row per sample, positions P..) returns, per row, its group's P prefix keys followed
@@ -76,7 +77,7 @@ def prefix_units(rows, groups):
 
 
 class PrefixCache:
-    """model.KVCache's write API over the prefixes of a batch (see the comment above).
+    """model.KVCache's cache API over the prefixes of a batch (see the comment above).
     The prefix pass runs one row per unit, (U, Pmax) right-padded, and the cache keeps each layer's latents
     and index keys. The suffix pass runs one row per sample, starting at its unit's P; each row's keys are
     its unit's P prefix keys, then its own, then zeros (beyond the row's last position: never visible),
@@ -118,6 +119,11 @@ class PrefixCache:
             flat = torch.cat([pre.flatten(0, 1), own.flatten(0, 1), own.new_zeros(1, own.shape[-1])])
             out.append(flat.index_select(0, where).view(N, Pmax + S, -1))
         return out[0], out[1]  # (N, Pmax + S, C + R), (N, Pmax + S, ...)
+
+    def attend(self, mla, q, latent, index_k, positions, form=None, want_kl=False):
+        """The cache call of mla.MLA.forward, as model.KVCache.attend: MLA.attend over write()'s keys."""
+        latent_all, index_k_all = self.write(mla.layer_id, positions, latent, index_k)
+        return mla.attend(q, latent_all, index_k_all, positions, form or "absorb", want_kl)
 
 
 # -----------------------------------------------------------------------------

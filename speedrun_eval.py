@@ -91,20 +91,15 @@ def set_dsa_mode(m, mode):
 # scored in int8 (ModelConfig.index_quant, the serving engine's option).
 
 
-def window_topk(q, w, k_all, last, topk, softmax_scale, rows=None, work=None):
+def window_topk(q, w, k_all, last, topk, softmax_scale):
     """A sliding window in dsa.index_topk's place: each query's last min(topk, S) positions, whatever the
-    indexer scores. Same signature, shapes and budget as the DSA selection (work, its buffers, unused):
-    -> idx, valid (B, T, K)."""
+    indexer scores. Same signature, shapes and budget as the DSA selection: -> idx, valid (B, T, K)."""
     B, T = q.shape[:2]
     last = last.expand(B, T)
-    S = k_all.shape[1] if rows is None else rows.shape[1]
-    K = min(topk, S)
+    K = min(topk, k_all.shape[1])
     idx = last[..., None] - torch.arange(K, device=q.device)  # (B, T, K): last, last - 1, ...
     valid = idx >= 0
-    idx = idx.clamp(min=0)
-    if rows is not None:
-        idx = rows.gather(1, idx.flatten(1)).view_as(idx)
-    return idx, valid
+    return idx.clamp(min=0), valid
 
 
 class Selection:

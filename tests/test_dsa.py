@@ -6,8 +6,6 @@ import pytest
 import torch
 
 import dsa
-import kernels
-import linear
 import model
 from conftest import randomize, tiny_config
 
@@ -68,22 +66,6 @@ def test_topk_with_packed_keys_equals_the_stable_sort_under_ties():
     assert keys.argsort(descending=True).tolist() == [4, 3, 1, 2, 6, 0, 5]
 
 
-def test_index_topk_over_a_page_pool_equals_the_gathered_history():
-    """Keys read in place from a pool (rows maps each row's positions to pool rows, pages out of order)
-    select the same keys, returned as pool rows, as the contiguous history."""
-    g = torch.Generator().manual_seed(1)
-    B, T, Hi, D, S, P = 2, 3, 4, 8, 40, 4
-    pool = torch.randn(64, D, generator=g)  # 16 pages of 4
-    pages = torch.stack([torch.randperm(16, generator=g)[: S // P] for _ in range(B)])  # (B, S / P)
-    s = torch.arange(S)
-    rows = pages[:, s // P] * P + s % P  # (B, S)
-    q, w = torch.randn(B, T, Hi, D, generator=g), torch.randn(B, T, Hi, generator=g)
-    last = torch.tensor([[20, 30, 39], [5, 6, 7]])
-    idx, valid = dsa.index_topk(q, w, pool[rows], last, 6, 0.3)
-    pidx, pvalid = dsa.index_topk(q, w, pool, last, 6, 0.3, rows)
-    assert torch.equal(pvalid, valid) and torch.equal(pidx, rows.gather(1, idx.flatten(1)).view_as(idx))
-
-
 def test_int8_index_keys_pack_their_scale_exactly():
     g = torch.Generator().manual_seed(0)
     k = torch.randn(3, 5, 16, generator=g) * torch.rand(3, 5, 1, generator=g)
@@ -98,128 +80,38 @@ def test_int8_index_keys_pack_their_scale_exactly():
         dsa.pack_index_keys(torch.randn(3, 10))
 
 
-def test_int8_index_scores_are_the_same_bits_on_every_path_and_near_the_float_scores():
-    """The int8 GEMM over a pool (CPU), the fp32 einsum over gathered rows and a float64 sum by hand give
-    the same scores, bit for bit: the dot products are exact integers. They stay near the float scores,
-    and the selection over the pool equals the selection over the gathered history."""
+def test_int8_index_scores_are_exact_integers_near_the_float_scores():
+    """The int8 scores equal a float64 sum by hand (the dot products are exact integers), stay near the
+    float scores, and the selection from them keeps the causal mask."""
     g = torch.Generator().manual_seed(2)
-    B, T, Hi, D, S, P = 2, 3, 4, 32, 40, 4
-    pool = torch.randn(64, D, generator=g)
-    pages = torch.stack([torch.randperm(16, generator=g)[: S // P] for _ in range(B)])
-    s = torch.arange(S)
-    rows = pages[:, s // P] * P + s % P  # (B, S)
+    B, T, Hi, D, S = 2, 3, 4, 32, 40
+    keys = torch.randn(B, S, D, generator=g)
     q, w = torch.randn(B, T, Hi, D, generator=g), torch.randn(B, T, Hi, generator=g)
-    packed = dsa.pack_index_keys(pool)  # (64, D + 4)
-    in_pool = dsa.quantized_index_scores(q, w, packed, 0.3)  # (B, T, 64) over the pool, one int8 GEMM
-    in_pool = in_pool.gather(-1, rows[:, None, :].expand(B, T, S))  # (B, T, S) in position order
-    gathered = dsa.quantized_index_scores(q, w, packed[rows], 0.3)  # (B, T, S)
-    assert torch.equal(in_pool, gathered)
+    packed = dsa.pack_index_keys(keys)  # (B, S, D + 4)
+    got = dsa.quantized_index_scores(q, w, packed, 0.3)  # (B, T, S)
     q_int, q_scale = dsa.quantize_int8(q)
-    k_int, k_scale = dsa.unpack_index_keys(packed[rows])
+    k_int, k_scale = dsa.unpack_index_keys(packed)
     dots = torch.einsum("bthd,bsd->bths", q_int.double(), k_int.double()).relu()
     by_hand = torch.einsum("bths,bth->bts", dots, (w * q_scale * 0.3).double()) * k_scale.double()[:, None]
-    torch.testing.assert_close(gathered.double(), by_hand, rtol=1e-6, atol=0)
-    exact = dsa.index_scores(q, w, pool[rows], 0.3)
-    assert (gathered - exact).abs().max() < 0.03 * exact.abs().max()
+    torch.testing.assert_close(got.double(), by_hand, rtol=1e-6, atol=0)
+    exact = dsa.index_scores(q, w, keys, 0.3)
+    assert (got - exact).abs().max() < 0.03 * exact.abs().max()
     last = torch.tensor([[20, 30, 39], [5, 6, 7]])
-    idx, valid = dsa.index_topk(q, w, packed[rows], last, 6, 0.3)
-    pidx, pvalid = dsa.index_topk(q, w, packed, last, 6, 0.3, rows)
-    assert torch.equal(pvalid, valid) and torch.equal(pidx, rows.gather(1, idx.flatten(1)).view_as(idx))
+    idx, valid = dsa.index_topk(q, w, packed, last, 6, 0.3)
     assert (idx <= last[..., None]).all()  # the causal mask holds for quantized scores too
 
 
-@pytest.mark.parametrize("packed", [False, True])
-def test_pool_scores_with_reused_buffers_equal_fresh_ones_step_after_step(packed):
-    """The index products over a pool written into a work dict's buffers (PagedCache.work): the same
-    selections as fresh buffers, the buffers reused from the second call on (same memory), and grown when
-    a longer pool needs more."""
-    g = torch.Generator().manual_seed(3)
-    B, T, Hi, D, S, P = 2, 1, 4, 32, 40, 4
-    pool = torch.randn(64, D, generator=g)
-    keys = dsa.pack_index_keys(pool) if packed else pool
-    pages = torch.stack([torch.randperm(16, generator=g)[: S // P] for _ in range(B)])
-    s = torch.arange(S)
-    rows = pages[:, s // P] * P + s % P  # (B, S)
-    last = torch.tensor([[39], [30]])
-    work = {}
-    seen = []
-    for step in range(3):
-        q, w = torch.randn(B, T, Hi, D, generator=g), torch.randn(B, T, Hi, generator=g)
-        fresh = dsa.index_topk(q, w, keys, last, 6, 0.3, rows)
-        reused = dsa.index_topk(q, w, keys, last, 6, 0.3, rows, work)
-        assert torch.equal(fresh[0], reused[0]) and torch.equal(fresh[1], reused[1])
-        seen.append({k: v.data_ptr() for k, v in work.items()})
-    assert seen[0] and seen[0] == seen[1] == seen[2]
-    small = dsa.WORK_MAX_BYTES
-    dsa.WORK_MAX_BYTES = 16  # a product past the cap (a long prefill's) stays a temporary: nothing kept
-    try:
-        kept = dict(work)
-        dsa.index_topk(q, w, keys, last, 6, 0.3, rows, work)
-        assert {k: v.data_ptr() for k, v in work.items()} == {k: v.data_ptr() for k, v in kept.items()}
-    finally:
-        dsa.WORK_MAX_BYTES = small
-    longer = torch.cat([keys, keys])  # a pool twice as long: the buffers grow
-    q, w = torch.randn(B, T, Hi, D, generator=g), torch.randn(B, T, Hi, generator=g)
-    want = dsa.index_topk(q, w, longer, last, 6, 0.3, rows)
-    got = dsa.index_topk(q, w, longer, last, 6, 0.3, rows, work)
-    assert torch.equal(want[0], got[0]) and max(v.numel() for v in work.values()) == B * T * Hi * 128
-
-
-def test_pool_scores_through_onednn_equal_the_per_row_einsum():
-    """Float keys in a pool long enough for linear.py's rule are scored by oneDNN with the keys as the rows
-    (linear.uses_onednn, on a CPU): the same scores as the per-row einsum over the same keys, to fp32
-    rounding, for two rows of two queries each."""
-    g = torch.Generator().manual_seed(5)
-    B, T, Hi, D, N = 2, 2, 4, 128, 4096
-    pool = torch.randn(N, D, generator=g)
-    q, w = torch.randn(B, T, Hi, D, generator=g), torch.randn(B, T, Hi, generator=g)
-    with torch.no_grad():
-        if torch.backends.mkldnn.is_available() and kernels.MODE != "torch":
-            assert linear.uses_onednn(pool, q.reshape(-1, D))
-        got = dsa.index_scores(q, w, pool, 0.3)  # (B, T, N)
-        want = dsa.index_scores(q, w, pool[None].expand(B, -1, -1), 0.3)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
-
-
-def test_one_query_sparse_attention_equals_the_batched_einsum_path(onednn_calls):
-    """A decode step of one row runs sparse MLA as two linear.linear GEMMs over its gathered rows (oneDNN on a
-    CPU, in a reused buffer; the second reads them transposed); the same query inside a batch of two takes
-    the einsum path: same output and log-sum-exp to fp32 rounding, at GLM-5's 576-value latent."""
-    g = torch.Generator().manual_seed(4)
-    H, C, R, N, K = 16, 512, 64, 300, 128  # 16 x 576 x 128 multiply-adds: linear.py's rule takes oneDNN
-    pool = torch.randn(N, C + R, generator=g)
-    q_abs, q_pe = torch.randn(1, 1, H, C, generator=g), torch.randn(1, 1, H, R, generator=g)
-    idx = torch.randperm(N, generator=g)[:K].view(1, 1, K)
-    valid = torch.rand(1, 1, K, generator=g) < 0.8
-    work = {}
-    with torch.no_grad():
-        one = dsa.sparse_mla_torch(q_abs, q_pe, pool[None], idx, valid, 0.05, work)
-    if torch.backends.mkldnn.is_available() and kernels.MODE != "torch":
-        assert onednn_calls == [True, True]  # the scores and the weighted sum, through oneDNN
-    with torch.no_grad():
-        assert work["selected"].shape == (K * (C + R),)  # the gather went into the reused buffer
-        two = dsa.sparse_mla_torch(
-            q_abs.expand(2, -1, -1, -1), q_pe.expand(2, -1, -1, -1), pool[None].expand(2, -1, -1),
-            idx.expand(2, -1, -1), valid.expand(2, -1, -1), 0.05,
-        )
-    torch.testing.assert_close(one[0], two[0][:1], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(one[1], two[1][:1], rtol=1e-5, atol=1e-5)
-
-
-def test_gather_rows_equals_indexing_per_row_and_from_a_shared_pool():
-    # the fast path (index_select over flattened rows) against the reference (two index tensors)
+def test_gather_rows_equals_indexing_per_row():
+    # index_select over flattened rows against the reference (two index tensors)
     B, S, T, K, F = 3, 11, 2, 5, 7
     g = torch.Generator().manual_seed(0)
     latent = torch.randn(B, S, F, generator=g)
     idx = torch.randint(0, S, (B, T, K), generator=g)
     ref = latent[torch.arange(B)[:, None, None], idx]
     assert torch.equal(dsa.gather_rows(latent, idx), ref)
-    cut = latent[:, : S - 2]  # a non-contiguous slice of the rows, as PagedCache.write returns
+    cut = latent[:, : S - 2]  # a non-contiguous slice of the rows, as a cache's history can be
     ref = cut[torch.arange(B)[:, None, None], idx.clamp(max=S - 3)]
     assert torch.equal(dsa.gather_rows(cut, idx.clamp(max=S - 3)), ref)
-    pool = torch.randn(S, F, generator=g)[None].expand(B, -1, -1)  # one pool for every row: batch stride 0
-    ref = pool[torch.arange(B)[:, None, None], idx]
-    assert torch.equal(dsa.gather_rows(pool, idx), ref)
 
 
 def test_selected_index_scores_are_the_full_scores_gathered():

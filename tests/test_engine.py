@@ -341,7 +341,7 @@ def test_compiled_engines_of_two_model_shapes_in_one_process(one_thread):
 def test_cache_write_touches_only_its_rows(index_quant, monkeypatch):
     """PagedCache.write puts each token at (layer, its row's page, slot) with one index_put_ on the whole
     pool: every other layer, page and slot keeps its value (int8: the packed key dsa.to_index_cache makes).
-    The history it returns equals the one the compiled path indexes (pool rows, not gathered pages)."""
+    The history gather() copies equals the one the compiled path indexes (pool rows, not gathered pages)."""
     cfg = tiny_config(vocab_size=300, index_quant=index_quant)
     cache = engine.PagedCache(cfg, num_pages=6, page_size=4, device="cpu", dtype=torch.float64)
     cache.kv.normal_()
@@ -352,7 +352,8 @@ def test_cache_write_touches_only_its_rows(index_quant, monkeypatch):
     positions = torch.tensor([[5, 6], [2, 3]])  # row 0: page 1, slots 1, 2; row 1: page 0, slots 2, 3
     latent = torch.randn(2, 2, cache.kv.shape[-1], dtype=torch.float64)
     index_k = torch.randn(2, 2, cfg.index_head_dim, dtype=torch.float64)
-    history = cache.write(1, positions, latent, index_k)
+    cache.write(1, positions, latent, index_k)
+    history = cache.gather(1)
     packed = dsa.to_index_cache(index_k, cache.index_k.dtype)
     for (b, t), (page, slot) in {(0, 0): (1, 1), (0, 1): (1, 2), (1, 0): (0, 2), (1, 1): (0, 3)}.items():
         kv[1, page, slot] = latent[b, t]
@@ -360,7 +361,7 @@ def test_cache_write_touches_only_its_rows(index_quant, monkeypatch):
     assert torch.equal(cache.kv, kv)
     assert torch.equal(cache.index_k, ik)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)  # the form inductor traces
-    compiled = cache.write(1, positions, latent, index_k)
+    compiled = cache.gather(1)
     assert torch.equal(compiled[0], history[0])
     assert torch.equal(compiled[1], history[1])
 

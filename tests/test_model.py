@@ -95,40 +95,6 @@ def test_decoding_with_per_row_positions():
         m(nxt, cache=cache, start_pos=16)
 
 
-@pytest.mark.parametrize("pool,B", [(True, 1), (True, 3), (False, 1)])
-def test_decode_dense_attention_equals_the_einsum_path(onednn_calls, pool, B):
-    """A dense decode step (one query per row, no gradient) runs MLA.decode_attention: two linear.linear
-    GEMMs over the latents (oneDNN on a CPU), over a page pool every row shares (read in place, a (B, 1, N)
-    mask of each row's pool rows) or over one row's contiguous latents. With a gradient enabled the same
-    call takes absorbed_attention's einsums: same output and probabilities to fp32 rounding, at GLM-5's
-    576-value latent."""
-    import kernels
-
-    heads = dict(num_attention_heads=16, num_key_value_heads=16)
-    cfg = tiny_config(**heads, kv_lora_rank=512, qk_rope_head_dim=64, index_head_dim=64)
-    attn = mla.MLA(cfg)
-    g = torch.Generator().manual_seed(6)
-    H, C, R, N = 16, 512, 64, 300  # 16 x 576 x 300 multiply-adds: linear.py's rule takes oneDNN
-    latent = torch.randn(N, C + R, generator=g)
-    mask = torch.rand(B, 1, N, generator=g) < 0.7  # each row sees its own pool rows
-    if not pool:
-        latent = latent[None]  # (1, S, C + R)
-    q_abs, q_pe = torch.randn(B, 1, H, C, generator=g), torch.randn(B, 1, H, R, generator=g)
-    with torch.no_grad():
-        got, probs = attn.absorbed_attention(q_abs, q_pe, latent, mask)
-    if torch.backends.mkldnn.is_available() and kernels.MODE != "torch":
-        assert onednn_calls == [True, True]  # the scores and the weighted sum, through oneDNN
-    with torch.enable_grad():  # no tensor needs one, but the fast path is for inference only
-        want, want_probs = attn.absorbed_attention(q_abs, q_pe, latent, mask)
-    assert len(onednn_calls) == 2  # the reference ran einsums: no further linear.linear
-    assert got.shape == (B, 1, H, C) and probs.shape == (B, H, 1, N)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(probs, want_probs, rtol=1e-5, atol=1e-6)
-    for b in range(B):
-        assert (probs[b, :, 0][:, ~mask[b, 0]] == 0).all()
-    assert got.std() > 0.01
-
-
 def test_greedy_generate_equals_uncached_argmax_loop():
     m = f64_model()
     prompt = torch.randint(0, 97, (1, 4))
