@@ -218,43 +218,17 @@ def inductor_or_skip():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("num_pages", [64, 24])
-def test_compiled_decode_equals_eager(ckpt, one_thread, num_pages):
+def test_compiled_engine_warms_up_and_equals_eager(ckpt, one_thread, monkeypatch):
     """compile=True: the prefill and decode forwards through torch.compile, the decode batch padded to its
-    bucket (4, then 3 rows run as 4, 2, 1) with the padding on the scratch page, the history's length
-    dynamic.
-    In fp32, as served (the decode graphs' experts by pairs, the prefill's by the grouped GEMM): greedy
-    outputs equal the eager engine's and logprobs agree to fp32 rounding; with a pool of just the pages
-    reserved (24) the last steps read it in place."""
-    inductor_or_skip()
-    m = engine.load_model(ckpt[0]).float()
-    sps = [dataclasses.replace(GREEDY, max_tokens=n, logprobs=1) for n in (16, 5, 9, 3)]
-    prompts = [list(range(30, 70)), PROMPTS[1], list(range(100, 110)), PROMPTS[3]]  # 14 + 2 + 5 + 3 pages
-    out = {}
-    graphs = torch._dynamo.utils.counters["stats"]
-    for compiled in (False, True):
-        before = graphs["unique_graphs"]
-        eng = engine.Engine(m, ckpt[1], num_pages=num_pages, page_size=4, compile=compiled)
-        rs = [eng.submit(p, sp) for p, sp in zip(prompts, sps)]
-        while eng.step():
-            pass
-        out[compiled] = rs
-        if compiled:  # graphs were really built: a silent fall back to eager would pass the rest
-            assert graphs["unique_graphs"] > before
-        assert eng.cache.available() == eng.cache.num_pages
-        assert (eng.cache.rows is not None) == (num_pages == 24)  # the last step: in place, or gathered
-    for a, b in zip(out[False], out[True]):
-        assert a.out == b.out
-        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=1e-4)
-    assert engine.decode_bucket(3, 32) == 4 and engine.decode_bucket(17, 24) == 24
-    assert engine.decode_bucket(1, 32) == 1 and engine.decode_bucket(33, 32) == 33
-
-
-@pytest.mark.slow
-def test_warm_up_builds_the_graphs_serving_needs(ckpt, one_thread, monkeypatch):
-    """Engine.warm_up (serve.py --compile calls it at start-up): afterwards a workload of one row and
-    several, short and long prompts, a prompt whose prefix is cached (a one-token prefill) and decoding
-    past index_topk compiles nothing more, and its outputs equal the eager engine's."""
+    bucket with the padding on the scratch page, the history's length dynamic. In fp32, as served (the
+    decode graphs' experts by pairs, the prefill's by the grouped GEMM).
+    1. Engine.warm_up (serve.py --compile calls it at start-up) builds graphs (every one through
+       module_guards_filter, the prefill's too); afterwards a workload of one row and several, short and long
+       prompts, a prompt whose prefix is cached (a one-token prefill) and decoding past index_topk compiles
+       nothing more, and its outputs equal the eager engine's.
+    2. Four requests of different lengths (batches of 4, then 3 rows run as 4, 2, 1): greedy outputs equal
+       the eager engine's and logprobs agree to fp32 rounding, over a large pool (each history gathered)
+       and over a pool of just the pages reserved (24), whose last steps read it in place (new graphs)."""
     inductor_or_skip()
     m = engine.load_model(ckpt[0]).float()
     assert engine.Engine(m, ckpt[1], num_pages=64, page_size=4).warm_up() == 0.0  # eager: nothing to do
@@ -288,6 +262,27 @@ def test_warm_up_builds_the_graphs_serving_needs(ckpt, one_thread, monkeypatch):
         assert rest[0].n_cached == 16
     assert graphs["unique_graphs"] == before
     assert outs["compiled"] == outs["eager"]
+
+    sps = [dataclasses.replace(GREEDY, max_tokens=n, logprobs=1) for n in (16, 5, 9, 3)]
+    prompts = [list(range(30, 70)), PROMPTS[1], list(range(100, 110)), PROMPTS[3]]  # 14 + 2 + 5 + 3 pages
+    for num_pages in (64, 24):
+        out = {}
+        for compiled in (False, True):
+            before = graphs["unique_graphs"]
+            e = engine.Engine(m, ckpt[1], num_pages=num_pages, page_size=4, compile=compiled)
+            rs = [e.submit(p, sp) for p, sp in zip(prompts, sps)]
+            while e.step():
+                pass
+            out[compiled] = rs
+            if compiled and num_pages == 24:  # new graphs, read in place: a silent fall back to eager fails
+                assert graphs["unique_graphs"] > before
+            assert e.cache.available() == e.cache.num_pages
+            assert (e.cache.rows is not None) == (num_pages == 24)  # the last step: in place, or gathered
+        for a, b in zip(out[False], out[True]):
+            assert a.out == b.out
+            torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=1e-4)
+    assert engine.decode_bucket(3, 32) == 4 and engine.decode_bucket(17, 24) == 24
+    assert engine.decode_bucket(1, 32) == 1 and engine.decode_bucket(33, 32) == 33
 
 
 @pytest.mark.slow
