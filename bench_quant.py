@@ -35,6 +35,8 @@ import engine
 import quantize
 import quantized
 import weights
+from quantize import bytes_per_token
+from train import val_loss
 
 ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 ap.add_argument(
@@ -47,7 +49,7 @@ ap.add_argument("--prompts", type=int, default=8, help="greedy prompts (val wind
 ap.add_argument("--new_tokens", type=int, default=32)
 ap.add_argument("--out", default="/tmp/bench_quant", help="where the quantized checkpoints are written")
 ap.add_argument("--threads", type=int, default=1)
-args = ap.parse_args([])  # the defaults on import (speedrun_eval.py uses the functions); main() parses
+args = ap.parse_args([])  # the defaults on import; main() parses
 
 
 def pick_ckpt():
@@ -55,11 +57,6 @@ def pick_ckpt():
         if os.path.isfile(p):
             return p
     sys.exit("bench_quant.py: no trained checkpoint; train one (README: Training) or pass --ckpt")
-
-
-@torch.no_grad()
-def val_loss(m, batches):
-    return sum(m(x, y, mtp_weight=0.0)[1]["lm"].item() for x, y in batches) / len(batches)
 
 
 @torch.no_grad()
@@ -79,32 +76,6 @@ def decode_speed(m, prompt):
     t0 = time.perf_counter()
     m.generate(prompt[None], args.new_tokens, temperature=0.0)
     return args.new_tokens / (time.perf_counter() - t0)
-
-
-def bytes_per_token(directory_or_model, cfg):
-    """Weight bytes one decoded token reads: everything but the routed experts, plus the k of E experts
-    each MoE layer picks (k / E of their bytes), the embedding row only (not the whole table), and not the
-    MTP block (decoding without drafts never runs it)."""
-    if isinstance(directory_or_model, str):
-        tensors = {}
-        for fname, names in weights.open_checkpoint(directory_or_model).items():
-            f = weights.SafeFile(os.path.join(directory_or_model, fname))
-            tensors.update({n: f.get(n) for n in names})
-    else:
-        tensors = weights.checkpoint_tensors(directory_or_model.state_dict(), cfg.num_hidden_layers)
-    frac = cfg.num_experts_per_tok / cfg.n_routed_experts
-    mtp = f"model.layers.{cfg.num_hidden_layers}."  # the MTP block: model.generate does not run it
-    total = 0.0
-    for n, t in tensors.items():
-        if n.startswith(mtp):
-            continue
-        b = t.numel() * t.element_size()
-        if "embed_tokens" in n:
-            b = b / t.shape[0]
-        elif ".mlp.experts." in n:
-            b = b * frac
-        total += b
-    return total
 
 
 def main():

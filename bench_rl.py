@@ -28,6 +28,7 @@ machine are noisy (the load is printed first).
 
 import argparse
 import itertools
+import json
 import os
 import random
 import shutil
@@ -144,6 +145,17 @@ class Tally:
     def rate(self, turns):
         p = sum(self.prompt[t] for t in turns)
         return sum(self.cached[t] for t in turns) / p if p else 0.0
+
+    def summary(self):
+        """The hit rate over every turn and over the turns after the first, the prompt tokens, and the most
+        turns a rollout reached (what --json writes)."""
+        turns = sorted(self.prompt)
+        return {
+            "hit_rate": self.rate(turns),
+            "later_turns": self.rate(turns[1:]),
+            "prompt_tokens": sum(self.prompt.values()),
+            "turns": len(turns),
+        }
 
 
 class BenchGateway(orchestrator.SeededGateway):
@@ -537,6 +549,7 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=1, help="torch threads of the trainer (this process)")
     ap.add_argument("--step_groups", type=int, default=16, help="part 3: groups of 8 rollouts in the batch")
     ap.add_argument("--step_reps", type=int, default=2, help="part 3: timed steps of each kind")
+    ap.add_argument("--json", default=None, help="also write the results to this file (part 2: summaries)")
     args = ap.parse_args(argv)
     if args.quick:
         args.steps, args.groups, args.scale, args.cap, args.cache_replicas = 3, 2, 0.1, 2.0, "2"
@@ -548,6 +561,8 @@ def main(argv=None):
     print(describe_machine())
     if args.ckpt is not None:
         args.ckpt = os.path.abspath(args.ckpt)
+    if args.json is not None:
+        args.json = os.path.abspath(args.json)
     os.chdir(HERE)  # serve.py finds the tokenizer in data/
     work = tempfile.mkdtemp(prefix="bench_rl_")
     results = {}
@@ -593,6 +608,13 @@ def main(argv=None):
             )
         load = os.getloadavg()[0]
         print(f"\nsummary: {'; '.join(summary)} (load {load:.1f} at the end, {os.cpu_count()} cores)")
+        if args.json is not None:
+            written = dict(results)
+            if "cache" in written:
+                cache = written["cache"]
+                written["cache"] = {n: {k: t.summary() for k, t in gw.items()} for n, gw in cache.items()}
+            with open(args.json, "w") as f:
+                json.dump(written, f, indent=1, default=str)
     finally:
         envs.ENVS.pop("longtail", None)
         shutil.rmtree(work, ignore_errors=True)

@@ -806,6 +806,14 @@ def evaluate(m, get_batch, autocast, world, dev):
     return val["val_lm"]
 
 
+@torch.no_grad()
+def val_loss(m, batches):
+    """The mean next-token loss over fixed (x, y) batches, the MTP loss off: evaluate's measure for a model
+    outside a training run (bench/bench_quant.py and the workshop run's evaluations compare checkpoints,
+    quantized ones included, on the same batches with it)."""
+    return sum(m(x, y, mtp_weight=0.0)[1]["lm"].item() for x, y in batches) / len(batches)
+
+
 def checkpoint(raw, optimizers, step, gen, config_dump, world, rank, dev):
     """One dict, as nanoGPT's: model, optimizers, step, config, and what exact resume needs besides (every
     rank's RNG states, the data position). Every rank takes part in gathering the unsharded state; rank 0

@@ -7,6 +7,7 @@ Run: python -m pytest -q tests/test_engine.py"""
 
 import dataclasses
 import math
+import os
 
 import pytest
 import torch
@@ -189,9 +190,13 @@ def test_row_by_row_decode_at_glm5_attention_shapes_equals_the_gathered_history(
     its selected latents and its index scores over a pool), four requests of 800-911 tokens (2.3-2.6 MB a row
     a layer, past SPAN_MIN_BYTES untouched) decode row by row over their stretches of the pool: the same
     tokens as the gathering reference, which runs the batched einsums, and logprobs within fp32 rounding."""
-    import bench_serve
-
-    cfg = bench_serve.glm5_layer_config(1024, intermediate_size=64, vocab_size=300, index_topk=256)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    full, _ = model.load_config_file(os.path.join(root, "configs", "full.py"))
+    one_small_layer = dict(  # the released attention shapes, one layer with a small FFN and vocabulary
+        num_hidden_layers=1, first_k_dense_replace=1, num_nextn_predict_layers=0, eos_token_id=[0],
+        intermediate_size=64, vocab_size=300, index_topk=256, max_position_embeddings=1024,
+    )
+    cfg = model.ModelConfig(**{**full.__dict__, **one_small_layer})
     torch.manual_seed(0)
     m = model.GLM5(cfg).float().eval()
     g = torch.Generator().manual_seed(1)
