@@ -50,10 +50,10 @@ def test_no_citation_of_a_file_readers_do_not_have():
 
 
 # -----------------------------------------------------------------------------
-# Import cycles. The project's modules by the name they are imported as: the top-level files (train, model...),
-# the packages' files (envs, envs.env_base...) and the script folders' files, by their bare names (bench/ and
-# workshop/ hold scripts that run with their own folder on sys.path: bench/bench_serve.py imports bench_train).
-# Tests, configs and docs are not modules.
+# Import cycles. The project's modules by the name they are imported as: the top-level files (train,
+# model...), the packages' files (envs, envs.env_base...) and the script folders' files by their bare names
+# (bench/ and workshop/ hold scripts that run with their own folder on sys.path: bench/bench_serve.py
+# imports bench_train). Tests, configs and docs are not modules.
 
 SCRIPT_DIRS = ("bench", "workshop")
 
