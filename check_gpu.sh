@@ -60,13 +60,13 @@ print(torch.__version__, triton.__version__, torch.cuda.get_device_name())'"
         step train 60 $PY train.py configs/toy.py --device=cuda
         ;;
     serve)  # issue 17's side-by-side rows on the GPU, and MTP
-        step serve 180 $PY bench_serve.py --device=cuda --parts=transformers,mtp --reps=3
+        step serve 180 $PY bench/bench_serve.py --device=cuda --parts=transformers,mtp --reps=3
         ;;
     kernels)
-        step kernels 120 $PY bench_kernels.py --contexts=8192,65536
+        step kernels 120 $PY bench/bench_kernels.py --contexts=8192,65536
         ;;
     dsa)
-        step dsa 40 $PY bench_serve.py --device=cuda --parts=dsa --contexts=16384,65536
+        step dsa 40 $PY bench/bench_serve.py --device=cuda --parts=dsa --contexts=16384,65536
         ;;
     *)
         echo "unknown step $s; choose from machine tests speedrun train serve kernels dsa"

@@ -588,7 +588,7 @@ def bytes_per_token(directory_or_model, cfg):
     """Weight bytes one decoded token reads, from a checkpoint directory or a model: everything but the
     routed experts, plus the k of E experts each MoE layer picks (k / E of their bytes), the embedding row
     only (not the whole table), and not the MTP block (decoding without drafts never runs it).
-    bench_quant.py's GB/s and the workshop run's quantization section read it."""
+    bench/bench_quant.py's GB/s and the workshop run's quantization section read it."""
     if isinstance(directory_or_model, str):
         tensors = {}
         for fname, names in weights.open_checkpoint(directory_or_model).items():

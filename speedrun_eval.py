@@ -16,7 +16,7 @@ Tests: python -m pytest -q tests/test_speedrun.py
 Honest limits: at toy scale every context fits a few index_topk budgets, and a few-million-parameter model
 trained for minutes copies little from its context (README: the RL section), so the probe measures a
 log-prob gain, not RULER's accuracy; one run, one seed, no error bars; tokens/s here is one batch on a
-shared CPU, not bench_serve.py's side-by-side comparison.
+shared CPU, not bench/bench_serve.py's side-by-side comparison.
 """
 
 import argparse
@@ -243,7 +243,7 @@ def part_dsa(run_dir, s, dev):
 # quant: bytes and perplexity per scheme
 #
 # Checkpoint bytes and val perplexity of BF16, W8A8 and W4A8 with rotation (train.val_loss and
-# quantize.bytes_per_token, as bench_quant.py measures them, on quantize.py's checkpoints from the run).
+# quantize.bytes_per_token, as bench/bench_quant.py measures them, on quantize.py's checkpoints from the run).
 
 
 def dir_bytes(directory):
@@ -305,9 +305,9 @@ def quant_batches(run_dir, n, block):
 # serve: every checkpoint through the engine, MTP accept length, prefix-cache hits
 #
 # Every stage's checkpoint through engine.Engine (greedy tokens/s at one batch, a sample; the chat checkpoints
-# answer once in each thinking mode); the MTP accept length (bench_serve.py's part 2 at one draft count) and
-# the prefix-cache hit rate of multi-turn rollouts on two serve.py replicas, DP-aware router vs round-robin
-# (bench_rl.py's part 2, run as its own process).
+# answer once in each thinking mode); the MTP accept length (bench/bench_serve.py's part 2 at one draft
+# count) and the prefix-cache hit rate of multi-turn rollouts on two serve.py replicas, DP-aware router vs
+# round-robin (bench/bench_rl.py's part 2, run as its own process).
 
 
 def greedy_tps(m, tok, prompts, n_new):
@@ -342,8 +342,8 @@ def chat_replies(m, tok, n_new):
 def mtp_accept(m, tok, prompts, n_new, drafts):
     """MTP speculative decoding with `drafts` drafted tokens against plain decoding, batch 1, greedy, one
     request after another -> (accept length: tokens appended per verify forward, the bonus token included, as
-    the report counts it; wall-clock speedup; outputs identical to plain greedy). bench_serve.py's part 2 does
-    the same for 1..4 drafts, with the step costs beside it."""
+    the report counts it; wall-clock speedup; outputs identical to plain greedy). bench/bench_serve.py's
+    part 2 does the same for 1..4 drafts, with the step costs beside it."""
     greedy = sampling.SamplingParams(max_tokens=n_new, temperature=0, ignore_eos=True)
     pages = -(-(len(prompts[0]) + n_new + 8) // 16) + 4
 
@@ -363,11 +363,11 @@ def mtp_accept(m, tok, prompts, n_new, drafts):
 
 
 def prefix_cache_hits(ckpt, s):
-    """bench_rl.py's part 2 on two replicas, as its own process (it starts serve.py replicas and registers
-    its environment for its run) -> {"router" / "round-robin": hit rates and prompt tokens}."""
+    """bench/bench_rl.py's part 2 on two replicas, as its own process (it starts serve.py replicas and
+    registers its environment for its run) -> {"router" / "round-robin": hit rates and prompt tokens}."""
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "bench_rl.json")
-        cmd = [sys.executable, os.path.join(HERE, "bench_rl.py"), "--parts", "cache", "--ckpt", ckpt]
+        cmd = [sys.executable, os.path.join(HERE, "bench", "bench_rl.py"), "--parts", "cache", "--ckpt", ckpt]
         cmd += ["--cache_replicas", "2", "--groups", str(s["cache_groups"]), "--turns", "2"]
         cmd += ["--max_tokens", str(s["cache_max_tokens"]), "--json", path]
         subprocess.run(cmd, check=True)

@@ -294,7 +294,7 @@ def sync(dev):
 
 def measure_peak_flops(dev, dt, n, reps=5):
     """FLOP/s of the fastest of `reps` n x n matmuls (after two untimed) on this device in this dtype: the
-    denominator of MFU, here and in bench_train.py."""
+    denominator of MFU, here and in bench/bench_train.py."""
     a, b = torch.randn(n, n, device=dev, dtype=dt), torch.randn(n, n, device=dev, dtype=dt)
     for _ in range(2):
         a @ b

@@ -30,7 +30,7 @@ CORE_FILES = (
 
 
 def pytest_configure(config):
-    # the fast tier a reader runs while editing: python -m pytest -q -m "not slow" tests
+    # the fast tier a reader runs while editing: python -m pytest -q -m "not slow" tests bench/tests
     config.addinivalue_line("markers", "slow: over ~5 s on 2 cores; left out of the fast tier")
     config.addinivalue_line("markers", "core: the model's math and the report's algorithms (CORE_FILES)")
 

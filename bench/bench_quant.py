@@ -5,8 +5,8 @@ rotation, W4A8 with QuaRot and group-wise W4A8; greedy agreement with BF16 over 
 tokens/s and the weight bandwidth it implies (gpt-fast's GB/s: the bytes of the weights one token reads,
 times tokens/s), quantized vs BF16.
 
-    python bench_quant.py                            # out_sparse/ckpt.pt (else out/ckpt.pt), this CPU
-    python bench_quant.py --ckpt out/ckpt.pt --group_size 32 --batches 8 --new_tokens 32
+    python bench/bench_quant.py                      # out_sparse/ckpt.pt (else out/ckpt.pt), this CPU
+    python bench/bench_quant.py --ckpt out/ckpt.pt --group_size 32 --batches 8 --new_tokens 32
 
 For scale: 4-bit round-to-nearest usually costs a few percent of perplexity on small models (QuaRot,
 arXiv 2404.00456, tables 1 and 9); much more means a packing or scale bug.
@@ -29,6 +29,9 @@ import sys
 import time
 
 import torch
+
+# run as python bench/bench_quant.py: the project's modules are in the folder above
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import data
 import engine

@@ -6,11 +6,11 @@ measured side by side in one run and described at its section below: 1. async vs
 workload; 2. the prefix-cache hit rate of multi-turn rollouts, DP-aware router vs round-robin; 3. the
 trainer's step with each group's prompt encoded once (shared_prefix.py) vs one forward per row.
 
-    python bench_rl.py                     # all three parts, a fresh toy model
-    python bench_rl.py --parts step --ckpt runs/cpu/sft_episodes/ckpt.pt     # part 3 on the toy policy
-    python bench_rl.py --quick             # a small run: checks that it all works
-    python bench_rl.py --ckpt out_sft/ckpt.pt --steps 12      # a train.py checkpoint or save_pretrained dir
-    python bench_rl.py --parts async --ahead 2 --tau 2        # the in-flight depth and the staleness bound
+    python bench/bench_rl.py               # all three parts, a fresh toy model
+    python bench/bench_rl.py --parts step --ckpt runs/cpu/sft_episodes/ckpt.pt  # part 3 on the toy policy
+    python bench/bench_rl.py --quick       # a small run: checks that it all works
+    python bench/bench_rl.py --ckpt out_sft/ckpt.pt --steps 12  # a train.py checkpoint or save_pretrained dir
+    python bench/bench_rl.py --parts async --ahead 2 --tau 2  # the in-flight depth and the staleness bound
 Needs the tokenizer (data/tokenizer_4096.json, which `python train.py configs/toy.py` builds first).
 
 Honest limits: an untrained model never ends a turn by itself nor writes tool calls, so the bench's gateway
@@ -42,6 +42,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+# run as python bench/bench_rl.py: the project's modules are in the folder above
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 import engine
 import envs
 import model
@@ -54,7 +57,7 @@ import serve
 import weights
 from bench_train import describe_machine
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: configs/, data/
 
 
 # -----------------------------------------------------------------------------
@@ -222,14 +225,14 @@ class swapped:
 # weights.save_pretrained; rewards do not matter for throughput. Replicas are serve.py processes (separate
 # interpreters, as real replicas are), one torch thread each; the trainer runs in this process with --threads
 # torch threads (1 by default: on a loaded 2-core CPU two threads made the toy's RL step slower, see
-# docs/design-notes.md). The bench runs from this file's directory, where serve.py finds data/. The bench's
+# docs/design-notes.md). The bench runs from the repository's root, where serve.py finds data/. The bench's
 # hooks into rl_async are Orchestrator.gateway_class (swapped for the run) and envs.ENVS (the wrapper added);
 # rl_async.py itself is unchanged.
 
 
 def fresh_checkpoint(directory, seed=0):
     """A freshly initialized toy GLM-5 (configs/toy.py sizes) saved with save_pretrained -> its directory."""
-    cfg, _ = model.load_config_file(os.path.join(HERE, "configs", "toy.py"))
+    cfg, _ = model.load_config_file(os.path.join(ROOT, "configs", "toy.py"))
     torch.manual_seed(seed)
     weights.save_pretrained(model.GLM5(cfg), directory, dtype=torch.float32)
     return directory
@@ -525,7 +528,7 @@ def part_step(args, tok):
 
 
 # -----------------------------------------------------------------------------
-# python bench_rl.py
+# python bench/bench_rl.py
 
 
 def main(argv=None):
@@ -563,7 +566,7 @@ def main(argv=None):
         args.ckpt = os.path.abspath(args.ckpt)
     if args.json is not None:
         args.json = os.path.abspath(args.json)
-    os.chdir(HERE)  # serve.py finds the tokenizer in data/
+    os.chdir(ROOT)  # serve.py finds the tokenizer in data/
     work = tempfile.mkdtemp(prefix="bench_rl_")
     results = {}
     try:
