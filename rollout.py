@@ -40,7 +40,7 @@ SYSTEM = "You are a careful agent. Think before every step."
 
 
 def tool_specs(tools):
-    """An environment's tools (envs.py: name, description, string arguments) in OpenAI's request shape,
+    """An environment's tools (envs/: name, description, string arguments) in OpenAI's request shape,
     which chat.render writes into the tool list's system block."""
     return [
         {

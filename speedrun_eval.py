@@ -54,7 +54,7 @@ STAGE_CKPTS = [  # (the report's name, the path under the run directory), in pip
     ("w4a8_rot", "quantize/w4a8_rot"),
 ]
 CHAT_STAGES = ("sft", "sft_episodes", "rl", "w4a8_rot")
-# a toy-level math task as the environment episodes pose it (env_math's wording, rollout.py's system prompt)
+# a toy-level math task as the environment episodes pose it (envs.env_math's wording, rollout.SYSTEM)
 CHAT_QUESTION = "Compute 7 - 2. Give the exact answer (an integer or a fraction) in \\boxed{}."
 
 

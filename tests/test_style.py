@@ -131,6 +131,18 @@ def test_no_import_cycles_between_project_modules():
     )
 
 
+def test_training_does_not_import_the_sandbox():
+    """train.py, and everything it imports, lazily or not, never reaches the environments or their sandbox:
+    training a model needs neither bubblewrap nor the RL environments."""
+    graph = import_graph(ROOT, project_files())
+    reached, todo = set(), ["train"]
+    while todo:
+        for nxt in graph[todo.pop()] - reached:
+            reached.add(nxt)
+            todo.append(nxt)
+    assert not {m for m in reached if m == "envs" or m.startswith("envs.")}, sorted(reached)
+
+
 def test_no_file_is_named_like_a_standard_library_module():
     """A script runs with its own folder first on sys.path (python train.py, python bench/bench_serve.py,
     python envs/sandbox.py, pytest's tests/): a file there named like a standard-library module (math.py)
