@@ -51,7 +51,7 @@ print(torch.__version__, triton.__version__, torch.cuda.get_device_name())'"
             echo "no bwrap here: the environment stages will stop (apt-get install bubblewrap)"
         fi
         rm -rf runs/tiny_cuda
-        step speedrun 180 $PY speedrun.py --preset tiny --run tiny_cuda --device cuda --quiet
+        step speedrun 180 $PY workshop/speedrun.py --preset tiny --run tiny_cuda --device cuda --quiet
         cp runs/tiny_cuda/report.md "$OUT/speedrun_report.md" 2>/dev/null
         echo "== the last stage's log:"
         tail -n 15 "$(ls -t runs/tiny_cuda/*/log.txt | head -1)"

@@ -18,7 +18,7 @@ Run it: python train.py configs/toy.py (the probe is in every evaluation line);
     python bench/bench_copy.py                                          # does the toy learn to copy?
 Tests: python -m pytest -q tests/test_copy_probe.py
 Honest limits: the probe copies random ids, the plainest retrieval, not a fact buried in natural text
-(speedrun_eval.py's passkey probe does that); the toy model trained on its CPU budget does not copy
+(workshop/speedrun_eval.py's passkey probe does that); the toy model trained on its CPU budget does not copy
 (configs/speedrun_stages.py, bench/bench_copy.py).
 """
 

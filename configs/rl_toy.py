@@ -9,7 +9,7 @@
 # python rl_async.py configs/rl_toy.py --mode=sync     (the same run, generate-then-train)
 # Math's held-out questions are digit pairs SFT never showed, facts no policy can infer, so training on math
 # moves only the questions SFT saw (README).
-init_from = "runs/cpu/sft_episodes/ckpt.pt"  # speedrun.py up to sft_episodes
+init_from = "runs/cpu/sft_episodes/ckpt.pt"  # workshop/speedrun.py up to sft_episodes
 out_dir = "out_rl"
 stage = "agentic"
 mode = "async"

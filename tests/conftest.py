@@ -9,7 +9,9 @@ import sys
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# the project's modules, and the workshop run's in workshop/ (test_speedrun.py, test_rl_async.py)
+sys.path[:0] = [ROOT, os.path.join(ROOT, "workshop")]
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 import experts  # noqa: E402

@@ -10,7 +10,8 @@ as one JSON file the report card reads (speedrun_report.py), each described at i
   of multi-turn rollouts, DP-aware router vs round-robin.
 
 Run it (speedrun.py does, after the stages it reads):
-    python speedrun_eval.py dsa --run_dir runs/cpu --settings '{"probes": 32, "probe_len": 256}' --out r.json
+    python workshop/speedrun_eval.py dsa --run_dir runs/cpu --settings '{"probes": 32, "probe_len": 256}' \
+        --out r.json
 Tests: python -m pytest -q tests/test_speedrun.py
 
 Honest limits: at toy scale every context fits a few index_topk budgets, and a few-million-parameter model
@@ -30,6 +31,9 @@ import time
 
 import torch
 
+# run as python workshop/speedrun_eval.py: the project's modules are in the folder above
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 import chat
 import data
 import dsa
@@ -43,7 +47,7 @@ from speedrun import final_ckpt
 from tokenizer import get_tokenizer
 from train import val_loss
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: data/, bench/
 STAGE_CKPTS = [  # (the report's name, the path under the run directory), in pipeline order
     ("pretrain", "pretrain/ckpt.pt"),
     ("dsa_warmup", "dsa_warmup/ckpt.pt"),
@@ -60,13 +64,15 @@ CHAT_QUESTION = "Compute 7 - 2. Give the exact answer (an integer or a fraction)
 
 def need(path):
     if not os.path.exists(path):
-        raise SystemExit(f"speedrun_eval: no {path}; run the stage that writes it first (python speedrun.py)")
+        raise SystemExit(
+            f"speedrun_eval: no {path}; run the stage that writes it first (python workshop/speedrun.py)"
+        )
     return path
 
 
 def val_batches(n, block, dev, seed=0):
     """n held-out batches of 4 x block tokens, the same for every model measured."""
-    loader = data.DataLoader(os.path.join(HERE, "data", "stdlib"))
+    loader = data.DataLoader(os.path.join(ROOT, "data", "stdlib"))
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(n):
@@ -134,7 +140,7 @@ def make_probes(tok, n, length, seed=0):
     """n passkey contexts of `length` tokens: "PASSKEY = <number>" first, held-out code in between, and
     "PASSKEY =" again at the end, then the answer. -> [(ids, answer start, answer ids, key positions,
     control ids)], the control the same context with another number in the first line."""
-    loader = data.DataLoader(os.path.join(HERE, "data", "stdlib"))
+    loader = data.DataLoader(os.path.join(ROOT, "data", "stdlib"))
     g = torch.Generator().manual_seed(seed)
     newline = tok.encode("\n")
     probes = []
@@ -217,7 +223,7 @@ def part_dsa(run_dir, s, dev):
         set_dsa_mode(sparse, "sparse")
         with Selection("window"):
             out["val_sparse_window"] = val_loss(sparse, batches)
-    tok = get_tokenizer(4096, cache_dir=os.path.join(HERE, "data"), verbose=False)
+    tok = get_tokenizer(4096, cache_dir=os.path.join(ROOT, "data"), verbose=False)
     probes = make_probes(tok, s["probes"], s["probe_len"])
     out["probe"] = {
         "n": len(probes),
@@ -367,7 +373,7 @@ def prefix_cache_hits(ckpt, s):
     registers its environment for its run) -> {"router" / "round-robin": hit rates and prompt tokens}."""
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "bench_rl.json")
-        cmd = [sys.executable, os.path.join(HERE, "bench", "bench_rl.py"), "--parts", "cache", "--ckpt", ckpt]
+        cmd = [sys.executable, os.path.join(ROOT, "bench", "bench_rl.py"), "--parts", "cache", "--ckpt", ckpt]
         cmd += ["--cache_replicas", "2", "--groups", str(s["cache_groups"]), "--turns", "2"]
         cmd += ["--max_tokens", str(s["cache_max_tokens"]), "--json", path]
         subprocess.run(cmd, check=True)
@@ -376,8 +382,8 @@ def prefix_cache_hits(ckpt, s):
 
 
 def part_serve(run_dir, s, dev):
-    tok = get_tokenizer(4096, cache_dir=os.path.join(HERE, "data"), verbose=False)
-    loader = data.DataLoader(os.path.join(HERE, "data", "stdlib"))
+    tok = get_tokenizer(4096, cache_dir=os.path.join(ROOT, "data"), verbose=False)
+    loader = data.DataLoader(os.path.join(ROOT, "data", "stdlib"))
     g = torch.Generator().manual_seed(0)
     prompts = loader.get_batch("val", s["serve_prompts"], 32, generator=g)[0].tolist()  # held-out windows
     out = {"stages": {}, "batch": len(prompts), "new_tokens": s["new_tokens"]}
