@@ -51,7 +51,7 @@ print(torch.__version__, triton.__version__, torch.cuda.get_device_name())'"
             echo "no bwrap here: the environment stages will stop (apt-get install bubblewrap)"
         fi
         rm -rf runs/tiny_cuda
-        step speedrun 180 $PY speedrun.py --preset tiny --run tiny_cuda --device cuda --quiet
+        step speedrun 180 $PY workshop/speedrun.py --preset tiny --run tiny_cuda --device cuda --quiet
         cp runs/tiny_cuda/report.md "$OUT/speedrun_report.md" 2>/dev/null
         echo "== the last stage's log:"
         tail -n 15 "$(ls -t runs/tiny_cuda/*/log.txt | head -1)"
@@ -60,13 +60,13 @@ print(torch.__version__, triton.__version__, torch.cuda.get_device_name())'"
         step train 60 $PY train.py configs/toy.py --device=cuda
         ;;
     serve)  # issue 17's side-by-side rows on the GPU, and MTP
-        step serve 180 $PY bench_serve.py --device=cuda --parts=transformers,mtp --reps=3
+        step serve 180 $PY bench/bench_serve.py --device=cuda --parts=transformers,mtp --reps=3
         ;;
     kernels)
-        step kernels 120 $PY bench_kernels.py --contexts=8192,65536
+        step kernels 120 $PY bench/bench_kernels.py --contexts=8192,65536
         ;;
     dsa)
-        step dsa 40 $PY bench_serve.py --device=cuda --parts=dsa --contexts=16384,65536
+        step dsa 40 $PY bench/bench_serve.py --device=cuda --parts=dsa --contexts=16384,65536
         ;;
     *)
         echo "unknown step $s; choose from machine tests speedrun train serve kernels dsa"

@@ -14,12 +14,12 @@ which transformers do with induction heads (Olsson et al. 2022, "In-context lear
   the data generator so resume stays exact.
 
 Run it: python train.py configs/toy.py (the probe is in every evaluation line);
-    python bench_train.py --copy_probe=out/ckpt.pt,out_sft/ckpt.pt     # a checkpoint, probed alone
-    python bench_copy.py                                                # does the toy learn to copy?
+    python bench/bench_train.py --copy_probe=out/ckpt.pt,out_sft/ckpt.pt  # a checkpoint, probed alone
+    python bench/bench_copy.py                                          # does the toy learn to copy?
 Tests: python -m pytest -q tests/test_copy_probe.py
 Honest limits: the probe copies random ids, the plainest retrieval, not a fact buried in natural text
-(speedrun_eval.py's passkey probe does that); the toy model trained on its CPU budget does not copy
-(configs/speedrun_stages.py, bench_copy.py).
+(workshop/speedrun_eval.py's passkey probe does that); the toy model trained on its CPU budget does not copy
+(configs/speedrun_stages.py, bench/bench_copy.py).
 """
 
 import numpy as np

@@ -14,7 +14,7 @@ the memory (the MLA latent and index key per token, prefix caching); sampling.py
 
 Run it:
     python serve.py --ckpt out/ckpt.pt --spec 3     # the server, with 3 drafted tokens per step
-    python bench_serve.py                            # throughput, MTP accept length, DSA vs dense
+    python bench/bench_serve.py                      # throughput, MTP accept length, DSA vs dense
 Tests: python -m pytest -q tests/test_engine.py
 Honest limits: a long prompt's chunks all run in the step that admits it (vLLM interleaves them); pages for
 prompt + max_tokens are reserved at admission (no preemption); one process, one device; compile=True leaves

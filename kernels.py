@@ -12,8 +12,8 @@ The MoE experts' grouped SwiGLU kernels are in kernels_moe.py, the W8A8 / W4A8 o
 kernels_quant.py; all share this file's switch, NANOGLM_KERNELS (auto, torch, triton: see its section).
 
     python -m pytest -q tests/test_kernels.py  # every kernel vs its reference: interpreter on CPU, GPU if any
-    python bench_kernels.py                    # GLM-5 shapes on a GPU: time, ratio, TFLOP/s and GB/s vs peak
-    python bench_kernels.py --interpret        # tiny shapes through the interpreter on a CPU: a smoke test
+    python bench/bench_kernels.py              # GLM-5 shapes on a GPU: time, ratio, TFLOP/s and GB/s vs peak
+    python bench/bench_kernels.py --interpret  # tiny shapes through the interpreter on a CPU: a smoke test
 
 Honest limits: tile sizes are fixed and untuned (no autotuning; chosen without a GPU at hand), written to be
 read first and far below DeepSeek's FlashMLA (figures: docs/design-notes.md). top-k after the index kernel

@@ -14,11 +14,11 @@ the `*_ref` beside it off the GPU.
 
 Run:
     python -m pytest -q tests/test_kernels.py  # every kernel vs its reference: interpreter on CPU, GPU if any
-    python bench_kernels.py --only=moe         # GLM-5 shapes on a GPU (add --interpret on a CPU)
+    python bench/bench_kernels.py --only=moe   # GLM-5 shapes on a GPU (add --interpret on a CPU)
 
 Honest limits:
 - Forward only: no backward kernel (training uses torch's grouped GEMM).
-- Tile sizes are fixed and untuned, chosen without a GPU at hand. On one H100 (bench_kernels.py, bf16,
+- Tile sizes are fixed and untuned, chosen without a GPU at hand. On one H100 (bench/bench_kernels.py, bf16,
   64 experts of GLM-5's shape, top-8) the grouped SwiGLU runs 3.3x torch's grouped GEMM path at 256 tokens
   and 0.73x at 4,096 (182 TFLOP/s, 24% of the bf16 matmul rate); its tests passed natively there.
 - fp32 inputs get exact fp32 dots (no tensor cores: slow, for tests), changed after that run (it used tf32);

@@ -11,8 +11,8 @@ math and what runs where are described at their sections below):
 
     python -m pytest -q tests/test_kernels_quant.py   # the references (the interpreter run is marked slow)
     TRITON_INTERPRET=1 NANOGLM_KERNELS=triton python -m pytest -q tests/test_kernels_quant.py  # kernels too
-    python bench_kernels.py --only=quant              # GLM-5 shapes on a GPU (--interpret: a smoke test)
-    python bench_kernels.py --cpu                     # the integer reference vs an fp32 matmul, this CPU
+    python bench/bench_kernels.py --only=quant        # GLM-5 shapes on a GPU (--interpret: a smoke test)
+    python bench/bench_kernels.py --cpu               # the integer reference vs an fp32 matmul, this CPU
 
 Honest limits: run natively once, on an H100, where every test passed (bf16 included) after two fixes and
 these kernels saved memory, not time: slower than a bf16 matmul of the same shape (docs/design-notes.md).

@@ -15,7 +15,7 @@ What it implements:
   not prefilled again; unreferenced cached pages are evicted least recently used first.
 How attention reads it (in place, row by row, or gathered) is described at PagedCache.point.
 
-Run it through engine.py (python bench_serve.py; python -m pytest -q tests/test_engine.py).
+Run it through engine.py (python bench/bench_serve.py; python -m pytest -q tests/test_engine.py).
 
 Honest limits: the page bookkeeping (free list, reference counts, hashes) is Python on the host; a row
 whose pages are scattered is copied; read in place, a row's dense attention multiplies the other rows of the
@@ -43,7 +43,7 @@ def pool_rows(tables, S, P):
 
 # A decode step on a CPU reads each row's stretch of the pool alone (PagedCache.span) once some row's
 # history holds this many bytes in a layer (latents and index keys): below it, one batched gather costs
-# less than a Python loop over the rows. Measured on one layer, 8 rows, fp32 (bench_serve.py part 3's
+# less than a Python loop over the rows. Measured on one layer, 8 rows, fp32 (bench/bench_serve.py part 3's
 # machine): at GLM-5's shapes (2.8 KB a token) row by row took 38.5 ms against 40.4 gathered at 1K tokens
 # (2.8 MB a row) and 45.9 against 87.7 at 2K; at the toy's (320 bytes a token) 3.2 against 1.7 ms at 2K
 # (0.6 MB a row).
@@ -76,7 +76,8 @@ class PagedCache:
         self.in_place = in_place  # False: always gather each row's history (the reference path)
         self.rows = None
         self.spans = None  # (first, last + 1, rows) per row: a decode step reading each row alone (point)
-        self.work = {}  # buffers decode steps reuse for the pool's index products and gathers (paged_attention.reused)
+        # buffers decode steps reuse for the pool's index products and gathers (paged_attention.reused)
+        self.work = {}
 
     # How attention reads the cache: when the pool is at most twice the longest history (one long request, a
     # full server), attention reads the pool in place: DSA scores the index keys in the pool and reads only
@@ -177,7 +178,7 @@ class PagedCache:
         t = self.tables[:, : (S + P - 1) // P]  # (B, n pages)
         B = t.shape[0]
         # compiled, inductor turns the page indexing into its own loop; index_select there made the
-        # compiled decode step 1.5x slower (batch 32, bench_serve.py part 0)
+        # compiled decode step 1.5x slower (batch 32, bench/bench_serve.py part 0)
         if torch.compiler.is_compiling():
             rows = pool_rows(t, S, P)  # (B, S)
             kv = self.kv[layer_id].view(-1, C)[rows]  # (B, S, C + R)

@@ -556,7 +556,8 @@ def quantize_checkpoint(
 
 
 # -----------------------------------------------------------------------------
-# --dry_run: bytes per scheme from the shapes alone (configs/full.py: the 744B model, on the meta device)
+# --dry_run: bytes per scheme from the shapes alone (configs/full.py: the 744B model, on the meta device), and
+# the bytes one decoded token reads
 
 
 def planned_bytes(cfg, scheme, group_size=None, dtype_bytes=2):
@@ -581,6 +582,33 @@ def planned_bytes(cfg, scheme, group_size=None, dtype_bytes=2):
         if ".mlp.experts." in name:
             experts += b
     return total, experts
+
+
+def bytes_per_token(directory_or_model, cfg):
+    """Weight bytes one decoded token reads, from a checkpoint directory or a model: everything but the
+    routed experts, plus the k of E experts each MoE layer picks (k / E of their bytes), the embedding row
+    only (not the whole table), and not the MTP block (decoding without drafts never runs it).
+    bench/bench_quant.py's GB/s and the workshop run's quantization section read it."""
+    if isinstance(directory_or_model, str):
+        tensors = {}
+        for fname, names in weights.open_checkpoint(directory_or_model).items():
+            f = weights.SafeFile(os.path.join(directory_or_model, fname))
+            tensors.update({n: f.get(n) for n in names})
+    else:
+        tensors = weights.checkpoint_tensors(directory_or_model.state_dict(), cfg.num_hidden_layers)
+    frac = cfg.num_experts_per_tok / cfg.n_routed_experts
+    mtp = f"model.layers.{cfg.num_hidden_layers}."  # the MTP block: model.generate does not run it
+    total = 0.0
+    for n, t in tensors.items():
+        if n.startswith(mtp):
+            continue
+        b = t.numel() * t.element_size()
+        if "embed_tokens" in n:
+            b = b / t.shape[0]
+        elif ".mlp.experts." in n:
+            b = b * frac
+        total += b
+    return total
 
 
 def dry_run(cfg, group_size=128, log=print):

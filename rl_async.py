@@ -545,17 +545,18 @@ def log_line(r, log):
 # The entry point: the policy, the replicas, the loop
 #
 # The toy run starts from a policy that can solve toy-level tasks sometimes (GRPO learns nothing from groups
-# whose rewards are all equal): the workshop run's policy, speedrun.py's stages up to sft_episodes
+# whose rewards are all equal): the workshop run's policy, workshop/speedrun.py's stages up to sft_episodes
 # (pretraining, the two DSA stages, SFT, then SFT on solved toy-level episodes alone). When
-# configs/rl_toy.py's init_from is missing, main runs them first and says so; speedrun.py skips every stage
-# already done, so an interrupted first run continues where it stopped.
+# configs/rl_toy.py's init_from is missing, main runs them first and says so; workshop/speedrun.py skips
+# every stage already done, so an interrupted first run continues where it stopped.
 
 TOY_POLICY = "runs/cpu/sft_episodes/ckpt.pt"
-TOY_RECIPE = "speedrun.py --preset cpu --run cpu --stop_after sft_episodes"
+TOY_RECIPE = "workshop/speedrun.py --preset cpu --run cpu --stop_after sft_episodes"
 
 
 def ensure_toy_policy(here=None):
-    """Make TOY_POLICY with the workshop run's stages if it is missing (speedrun.py skips finished ones)."""
+    """Make TOY_POLICY with the workshop run's stages if it is missing (workshop/speedrun.py skips finished
+    ones)."""
     here = here or os.path.dirname(os.path.abspath(__file__))
     if os.path.exists(os.path.join(here, TOY_POLICY)):
         return

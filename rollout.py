@@ -40,7 +40,7 @@ SYSTEM = "You are a careful agent. Think before every step."
 
 
 def tool_specs(tools):
-    """An environment's tools (envs.py: name, description, string arguments) in OpenAI's request shape,
+    """An environment's tools (envs/: name, description, string arguments) in OpenAI's request shape,
     which chat.render writes into the tool list's system block."""
     return [
         {
@@ -277,7 +277,7 @@ class Gateway:
     self.prompt_tokens and self.cached_tokens sum each response's usage over the rollout: the prompt tokens
     the replica was sent, and how many of them its prefix cache already held (usage.prompt_tokens_details.
     cached_tokens, OpenAI's field), so cached_tokens / prompt_tokens is the rollout's prefix-cache hit rate
-    (bench_rl.py compares it under the DP-aware router and round-robin)."""
+    (bench/bench_rl.py compares it under the DP-aware router and round-robin)."""
 
     def __init__(self, url, rollout_id, temperature=1.0, max_tokens=256, timeout=120.0):
         self.url = url.rstrip("/") + "/v1/completions"

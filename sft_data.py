@@ -5,7 +5,7 @@ modes, before RL).
 
 Two sources, one format (the OpenAI-style messages that chat.render takes), each described at its section:
 the standard library's documented functions (data.py's corpus, the same by-file train/val split), written
-by the assistant with reasoning read off their code, and solved episodes of envs.py's environments
+by the assistant with reasoning read off their code, and solved episodes of the environments (envs/)
 (episodes.py writes them; train.py's `sft_extra` mixes them in). prepare_sft() renders every conversation
 into one packed stream of ids with a loss mask and caches it; SFTLoader draws rows that start at a
 conversation.

@@ -6,7 +6,7 @@ trainer's forward for GRPO's groups (GLM-5 report: its RL sections compare the s
 a change of the algorithm: the logprobs and the gradients equal one forward per sample, up to float
 rounding. The prefix's latents are computed once with autograd on, every sample's suffix attends to them,
 and backward adds each sample's gradient into the one copy (how, with model.GLM5 unchanged: at
-PrefixCache). The saving on the toy RL run is measured by bench_rl.py part 3 (docs/design-notes.md).
+PrefixCache). The saving on the toy RL run is measured by bench/bench_rl.py part 3 (docs/design-notes.md).
 
 Run it:  python shared_prefix.py      # a random tiny GLM-5: shared vs one forward per sample
 Tests:   python -m pytest -q tests/test_rl.py -k "shared or units"

@@ -294,7 +294,7 @@ def sync(dev):
 
 def measure_peak_flops(dev, dt, n, reps=5):
     """FLOP/s of the fastest of `reps` n x n matmuls (after two untimed) on this device in this dtype: the
-    denominator of MFU, here and in bench_train.py."""
+    denominator of MFU, here and in bench/bench_train.py."""
     a, b = torch.randn(n, n, device=dev, dtype=dt), torch.randn(n, n, device=dev, dtype=dt)
     for _ in range(2):
         a @ b
@@ -804,6 +804,14 @@ def evaluate(m, get_batch, autocast, world, dev):
     if world > 1:
         val = parallel.mean_over_ranks(val, dev)
     return val["val_lm"]
+
+
+@torch.no_grad()
+def val_loss(m, batches):
+    """The mean next-token loss over fixed (x, y) batches, the MTP loss off: evaluate's measure for a model
+    outside a training run (bench/bench_quant.py and the workshop run's evaluations compare checkpoints,
+    quantized ones included, on the same batches with it)."""
+    return sum(m(x, y, mtp_weight=0.0)[1]["lm"].item() for x, y in batches) / len(batches)
 
 
 def checkpoint(raw, optimizers, step, gen, config_dump, world, rank, dev):

@@ -7,7 +7,7 @@
 #   python rl_async.py configs/rl_distill.py      # the final stage: each task from its own stage's teacher
 # Every stage evaluates all four tasks, so what a later stage forgets, and what distillation brings back,
 # shows in its log (docs/: the dated run).
-init_from = "runs/cpu/sft_episodes/ckpt.pt"  # speedrun.py up to sft_episodes (rl_async.TOY_RECIPE)
+init_from = "runs/cpu/sft_episodes/ckpt.pt"  # workshop/speedrun.py up to sft_episodes (rl_async.TOY_RECIPE)
 out_dir = "out_rl_reasoning"
 stage = "reasoning"
 mode = "sync"  # on-policy: every batch sampled by the weights it trains (rl_async refuses async here)

@@ -1,5 +1,5 @@
 # The toy RL run of rl_async.py on a 2-core CPU: two serve.py replicas of the toy SFT policy and the
-# trainer, asynchronous, on a mix of three tasks of envs.py's toy level: the rule-based chat instruction
+# trainer, asynchronous, on a mix of three tasks of envs/'s toy level: the rule-based chat instruction
 # (general:0: greet a name or describe a topic within a word limit, ending with "!", the name boxed, or all
 # lower / upper case), the multi-turn search task (search:0: call the search tool with the name asked
 # about, then answer with the number its hit shows) and the terminal task (terminal:0: one shell command,
@@ -9,7 +9,7 @@
 # python rl_async.py configs/rl_toy.py --mode=sync     (the same run, generate-then-train)
 # Math's held-out questions are digit pairs SFT never showed, facts no policy can infer, so training on math
 # moves only the questions SFT saw (README).
-init_from = "runs/cpu/sft_episodes/ckpt.pt"  # speedrun.py up to sft_episodes
+init_from = "runs/cpu/sft_episodes/ckpt.pt"  # workshop/speedrun.py up to sft_episodes
 out_dir = "out_rl"
 stage = "agentic"
 mode = "async"

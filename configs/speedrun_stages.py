@@ -15,7 +15,7 @@ choice measured, with the commands: docs/workshop-run.md, "How the speedrun's st
 
 STAGES = {
     # induction heads first (Olsson et al. 2022, arXiv 2209.11895): copy rows only, a span of 8 to 32 random
-    # ids repeated to 64 tokens, at the rate at which the toy forms them (bench_copy.py); 2.6M tokens
+    # ids repeated to 64 tokens, at the rate at which the toy forms them (bench/bench_copy.py); 2.6M tokens
     "copy_warmup": dict(
         copy_frac=1.0,
         batch_size=32,

@@ -9,7 +9,9 @@ import sys
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# the project's modules, and the workshop run's in workshop/ (test_speedrun.py, test_rl_async.py)
+sys.path[:0] = [ROOT, os.path.join(ROOT, "workshop")]
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 import experts  # noqa: E402
@@ -30,7 +32,7 @@ CORE_FILES = (
 
 
 def pytest_configure(config):
-    # the fast tier a reader runs while editing: python -m pytest -q -m "not slow" tests
+    # the fast tier a reader runs while editing: python -m pytest -q -m "not slow" tests bench/tests
     config.addinivalue_line("markers", "slow: over ~5 s on 2 cores; left out of the fast tier")
     config.addinivalue_line("markers", "core: the model's math and the report's algorithms (CORE_FILES)")
 

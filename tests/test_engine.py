@@ -6,7 +6,7 @@ layer is tested in test_serve.py.
 Run: python -m pytest -q tests/test_engine.py"""
 
 import dataclasses
-import math
+import os
 
 import pytest
 import torch
@@ -189,9 +189,13 @@ def test_row_by_row_decode_at_glm5_attention_shapes_equals_the_gathered_history(
     its selected latents and its index scores over a pool), four requests of 800-911 tokens (2.3-2.6 MB a row
     a layer, past SPAN_MIN_BYTES untouched) decode row by row over their stretches of the pool: the same
     tokens as the gathering reference, which runs the batched einsums, and logprobs within fp32 rounding."""
-    import bench_serve
-
-    cfg = bench_serve.glm5_layer_config(1024, intermediate_size=64, vocab_size=300, index_topk=256)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    full, _ = model.load_config_file(os.path.join(root, "configs", "full.py"))
+    one_small_layer = dict(  # the released attention shapes, one layer with a small FFN and vocabulary
+        num_hidden_layers=1, first_k_dense_replace=1, num_nextn_predict_layers=0, eos_token_id=[0],
+        intermediate_size=64, vocab_size=300, index_topk=256, max_position_embeddings=1024,
+    )
+    cfg = model.ModelConfig(**{**full.__dict__, **one_small_layer})
     torch.manual_seed(0)
     m = model.GLM5(cfg).float().eval()
     g = torch.Generator().manual_seed(1)
@@ -743,48 +747,3 @@ def test_refused_weight_updates_change_nothing(ckpt, ckpt_v1, tmp_path, one_thre
         with pytest.raises(engine.VersionConflict):
             eng.update_weights(ckpt[0], version)
     assert eng.version == 5
-
-
-def test_bench_serve_cache_bytes_per_token():
-    """bench_serve's memory part reads the engine's own cache: at GLM-5's shapes in bf16, 78 + 1 layers x
-    (512 + 64 latent values + a 128-value index key) x 2 bytes, against 64 heads x (256 + 256) x 2 bytes a
-    layer for dense MHA; the int8 index key is 128 bytes + a 4-byte scale."""
-    import bench_serve
-
-    rows = {(n, d, q): (ours, mha) for n, d, q, ours, mha in bench_serve.bench_memory()}
-    assert rows[("full", torch.bfloat16, "none")] == (79 * 704 * 2, 79 * 64 * 512 * 2)
-    assert rows[("full", torch.bfloat16, "int8")][0] == 79 * (576 * 2 + 132)
-    assert rows[("toy", torch.float32, "none")][0] == 5 * (48 + 32) * 4
-
-
-def test_bench_serve_where_goals_hold_matches_every_batch_checked_one_by_one():
-    """bench_serve.where_goals_hold reads issue 17's two DSA goals off a line through a 1-row and a B-row
-    step. For random lines (fixed costs, per-row costs, some negative: a line may fall) its answer must
-    equal checking each batch n from 1 to 400 by hand."""
-    import bench_serve
-
-    def inside(n, r):
-        return r is not None and r[0] <= n <= r[1]
-
-    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ()).item()))
-    for case in range(300):
-        fixed = (torch.rand(3, generator=g, dtype=torch.float64) * 30 + 1).tolist()  # DSA, dense, bound
-        per_row = (torch.rand(3, generator=g, dtype=torch.float64) * 40 - 4).tolist()
-        if case == 0:  # this CPU's figures at 64K: no batch meets both
-            fixed, per_row = [18.0, 18.0, 17.7], [6.6, 37.0, 0.3]
-        B = int(torch.randint(2, 17, (), generator=g))
-
-        def at(n):
-            return [f + n * p for f, p in zip(fixed, per_row)]
-
-        lines, four, near = bench_serve.where_goals_hold(at(1), at(B), B)
-        for i, name in enumerate(("dsa", "dense", "bound")):
-            assert lines[name] == pytest.approx((fixed[i], per_row[i]), rel=1e-9, abs=1e-9)
-        for n in range(1, 401):
-            dsa_t, dense_t, bound_t = at(n)
-            if abs(dense_t - 4 * dsa_t) > 1e-9:  # away from the boundary, where rounding could tip it
-                assert (dense_t >= 4 * dsa_t) == inside(n, four), (case, n, fixed, per_row, four)
-            if abs(dsa_t - 1.5 * bound_t) > 1e-9:
-                assert (dsa_t <= 1.5 * bound_t) == inside(n, near), (case, n, fixed, per_row, near)
-        if case == 0:
-            assert four == (6, math.inf) and near == (1, 1)

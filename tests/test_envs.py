@@ -1,4 +1,4 @@
-"""envs.py: every environment solved and failed, reward forging, math answer equivalence, the general
+"""envs/: every environment solved and failed, reward forging, math answer equivalence, the general
 environment's rules (each check, and the grader against the test's own reading of the prompt), determinism of
 every generator. The agent loop is tested in test_rollout.py, the SFT export in test_sft_data.py; the sandbox
 itself is attacked in test_sandbox.py, and the code and terminal tests here need it too (CI has bwrap)."""
@@ -19,13 +19,10 @@ import pytest
 
 import chat
 import data
-import env_general
-import env_math
 import envs
 import episodes
 import rollout
-import sandbox
-from envs import CodeEnv, GeneralEnv, MathEnv, SearchEnv, TerminalEnv
+from envs import CodeEnv, GeneralEnv, MathEnv, SearchEnv, TerminalEnv, env_general, env_math, sandbox
 from tokenizer import get_tokenizer
 
 ROOT = data.stdlib_root()
@@ -111,7 +108,7 @@ def test_math_answers_that_are_not(text, value, monkeypatch):
         assert all(len(str(a)) <= 60 and "e" not in str(a).lower() for a in args), args
         return Fraction(*args)
 
-    # the parser lives in env_math.py (envs.py re-exports it)
+    # the parser lives in envs/env_math.py (envs re-exports it)
     monkeypatch.setattr(env_math, "Fraction", checked)
     got = envs.extract_answer(text)
     assert got != Fraction(value), (text, got)
@@ -641,7 +638,7 @@ def test_toy_level_is_short_solved_and_graded():
 def test_toy_terminal_words_are_fresh_so_held_out_tasks_need_copying():
     """The word to write and the file to count are made up per task: many distinct ones, each family in both
     splits, and no held-out word among the training tasks' (a policy must copy, not recall)."""
-    import env_terminal
+    from envs import env_terminal
 
     rng = random.Random(0)
     for family in (env_terminal.term_write, env_terminal.term_lines):

@@ -381,18 +381,18 @@ def test_stage_settings_are_checked():
 
 
 def test_the_toy_recipe_makes_the_toy_policy():
-    """The command that makes the toy policy is speedrun.py's, with a preset and a stage it knows, and the
-    checkpoint its last stage writes is configs/rl_toy.py's init_from."""
+    """The command that makes the toy policy is workshop/speedrun.py's, run from the repository's root, with a
+    preset and a stage it knows, and the checkpoint its last stage writes is configs/rl_toy.py's init_from."""
     import speedrun
 
     argv = rl_async.TOY_RECIPE.split()
-    assert argv[0] == "speedrun.py"
+    assert argv[0] == "workshop/speedrun.py"
     flags = dict(zip(argv[1::2], argv[2::2]))
     assert flags["--preset"] in speedrun.PRESETS and flags["--stop_after"] in speedrun.STAGE_NAMES
     written = os.path.join("runs", flags["--run"], flags["--stop_after"], "ckpt.pt")
     assert rl_async.TOY_POLICY == written
     here = os.path.dirname(rl_async.__file__)
-    assert os.path.dirname(os.path.abspath(speedrun.__file__)) == os.path.abspath(here)
+    assert os.path.abspath(os.path.join(here, argv[0])) == os.path.abspath(speedrun.__file__)
     cfg = rl_async.resolve_config([os.path.join(here, "configs", "rl_toy.py")])
     assert cfg["init_from"] == rl_async.TOY_POLICY
 

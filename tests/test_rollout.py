@@ -18,10 +18,9 @@ import envs
 import model
 import rl
 import rollout
-import sandbox
 import serve
 import weights
-from envs import CodeEnv, MathEnv, SearchEnv, TerminalEnv
+from envs import CodeEnv, MathEnv, SearchEnv, TerminalEnv, sandbox
 
 ROOT = data.stdlib_root()
 

@@ -1,6 +1,6 @@
-"""sandbox.py under real attacks. Each one must be contained, leave the host as it was and leave no process
-behind. Run as root (CI does): that is the hard case, where a sandbox mapped to root would skip the process
-limit. Without a working bwrap these tests fail, loudly, on purpose: CI installs bubblewrap."""
+"""envs/sandbox.py under real attacks. Each one must be contained, leave the host as it was and leave no
+process behind. Run as root (CI does): that is the hard case, where a sandbox mapped to root would skip the
+process limit. Without a working bwrap these tests fail, loudly, on purpose: CI installs bubblewrap."""
 
 import os
 import shutil
@@ -14,8 +14,8 @@ import uuid
 
 import pytest
 
-import sandbox
-from sandbox import Limits, Sandbox
+from envs import sandbox
+from envs.sandbox import Limits, Sandbox
 
 OK, WHY = sandbox.probe()
 if not OK:

@@ -1,7 +1,7 @@
-"""The workshop run (speedrun.py): its plumbing at tiny size. A stage's failure stops the run with the stage
-and its log named and the earlier checkpoints kept; a re-run skips the finished stages; the whole tiny
-pipeline writes a report whose every section has a number (slow: about a minute and a half on 2 cores); the
-probe's sliding window keeps exactly the last index_topk positions, as DSA keeps index_topk.
+"""The workshop run (workshop/speedrun.py): its plumbing at tiny size. A stage's failure stops the run with
+the stage and its log named and the earlier checkpoints kept; a re-run skips the finished stages; the whole
+tiny pipeline writes a report whose every section has a number (slow: about a minute and a half on 2
+cores); the probe's sliding window keeps exactly the last index_topk positions, as DSA keeps index_topk.
 Run: python -m pytest -q tests/test_speedrun.py   (add -m "not slow" for the fast part)
 """
 

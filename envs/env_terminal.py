@@ -1,7 +1,7 @@
 """
 Terminal: an instruction over a prepared work dir, the tool shell (bash in the sandbox, files persist
 between calls), a verifier of the final state (GLM-5 report, arXiv 2602.15763, its agentic RL sections:
-terminal environments), one of the environments of envs.py.
+terminal environments), one of the environments of envs/.
 
 The verifier reads the final state (and the answer, where the task asks for one) from the host without
 following planted links, so claims, symlinks and FIFOs earn nothing. Levels 1 to 5: one to three of six
@@ -10,14 +10,14 @@ grows. Toy level (0): one command (write a word into a file; count the lines of 
 two, the multi-turn family: list notes/, then read the one file there. The word to write and the file to
 count are made-up words new in almost every task, so a policy must copy them from the prompt.
 
-Run: python envs.py (one task per environment; python rollout.py plays them through the agent loop)
+Run: python -m envs (one task per environment; python rollout.py plays them through the agent loop)
 Tests: python -m pytest -q tests/test_envs.py tests/test_sandbox.py
-Honest limits: small file chores, not Terminal-Bench; it needs bubblewrap (sandbox.py) and refuses to run
+Honest limits: small file chores, not Terminal-Bench; it needs bubblewrap (envs/sandbox.py) and refuses to run
 without it.
 """
 
-from env_base import Env, boxed, call, made_up_word, show
-from sandbox import Limits
+from envs.env_base import Env, boxed, call, made_up_word, show
+from envs.sandbox import Limits
 
 # -----------------------------------------------------------------------------
 # Terminal: an instruction, a prepared work dir, a shell, a verifier of the final state.

@@ -5,8 +5,8 @@ rotation, W4A8 with QuaRot and group-wise W4A8; greedy agreement with BF16 over 
 tokens/s and the weight bandwidth it implies (gpt-fast's GB/s: the bytes of the weights one token reads,
 times tokens/s), quantized vs BF16.
 
-    python bench_quant.py                            # out_sparse/ckpt.pt (else out/ckpt.pt), this CPU
-    python bench_quant.py --ckpt out/ckpt.pt --group_size 32 --batches 8 --new_tokens 32
+    python bench/bench_quant.py                      # out_sparse/ckpt.pt (else out/ckpt.pt), this CPU
+    python bench/bench_quant.py --ckpt out/ckpt.pt --group_size 32 --batches 8 --new_tokens 32
 
 For scale: 4-bit round-to-nearest usually costs a few percent of perplexity on small models (QuaRot,
 arXiv 2404.00456, tables 1 and 9); much more means a packing or scale bug.
@@ -30,11 +30,16 @@ import time
 
 import torch
 
+# run as python bench/bench_quant.py: the project's modules are in the folder above
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 import data
 import engine
 import quantize
 import quantized
 import weights
+from quantize import bytes_per_token
+from train import val_loss
 
 ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 ap.add_argument(
@@ -47,7 +52,7 @@ ap.add_argument("--prompts", type=int, default=8, help="greedy prompts (val wind
 ap.add_argument("--new_tokens", type=int, default=32)
 ap.add_argument("--out", default="/tmp/bench_quant", help="where the quantized checkpoints are written")
 ap.add_argument("--threads", type=int, default=1)
-args = ap.parse_args([])  # the defaults on import (speedrun_eval.py uses the functions); main() parses
+args = ap.parse_args([])  # the defaults on import; main() parses
 
 
 def pick_ckpt():
@@ -55,11 +60,6 @@ def pick_ckpt():
         if os.path.isfile(p):
             return p
     sys.exit("bench_quant.py: no trained checkpoint; train one (README: Training) or pass --ckpt")
-
-
-@torch.no_grad()
-def val_loss(m, batches):
-    return sum(m(x, y, mtp_weight=0.0)[1]["lm"].item() for x, y in batches) / len(batches)
 
 
 @torch.no_grad()
@@ -79,32 +79,6 @@ def decode_speed(m, prompt):
     t0 = time.perf_counter()
     m.generate(prompt[None], args.new_tokens, temperature=0.0)
     return args.new_tokens / (time.perf_counter() - t0)
-
-
-def bytes_per_token(directory_or_model, cfg):
-    """Weight bytes one decoded token reads: everything but the routed experts, plus the k of E experts
-    each MoE layer picks (k / E of their bytes), the embedding row only (not the whole table), and not the
-    MTP block (decoding without drafts never runs it)."""
-    if isinstance(directory_or_model, str):
-        tensors = {}
-        for fname, names in weights.open_checkpoint(directory_or_model).items():
-            f = weights.SafeFile(os.path.join(directory_or_model, fname))
-            tensors.update({n: f.get(n) for n in names})
-    else:
-        tensors = weights.checkpoint_tensors(directory_or_model.state_dict(), cfg.num_hidden_layers)
-    frac = cfg.num_experts_per_tok / cfg.n_routed_experts
-    mtp = f"model.layers.{cfg.num_hidden_layers}."  # the MTP block: model.generate does not run it
-    total = 0.0
-    for n, t in tensors.items():
-        if n.startswith(mtp):
-            continue
-        b = t.numel() * t.element_size()
-        if "embed_tokens" in n:
-            b = b / t.shape[0]
-        elif ".mlp.experts." in n:
-            b = b * frac
-        total += b
-    return total
 
 
 def main():

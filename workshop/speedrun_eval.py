@@ -10,24 +10,30 @@ as one JSON file the report card reads (speedrun_report.py), each described at i
   of multi-turn rollouts, DP-aware router vs round-robin.
 
 Run it (speedrun.py does, after the stages it reads):
-    python speedrun_eval.py dsa --run_dir runs/cpu --settings '{"probes": 32, "probe_len": 256}' --out r.json
+    python workshop/speedrun_eval.py dsa --run_dir runs/cpu --settings '{"probes": 32, "probe_len": 256}' \
+        --out r.json
 Tests: python -m pytest -q tests/test_speedrun.py
 
 Honest limits: at toy scale every context fits a few index_topk budgets, and a few-million-parameter model
 trained for minutes copies little from its context (README: the RL section), so the probe measures a
 log-prob gain, not RULER's accuracy; one run, one seed, no error bars; tokens/s here is one batch on a
-shared CPU, not bench_serve.py's side-by-side comparison.
+shared CPU, not bench/bench_serve.py's side-by-side comparison.
 """
 
 import argparse
 import json
 import math
 import os
+import subprocess
+import sys
+import tempfile
 import time
 
 import torch
 
-import bench_quant
+# run as python workshop/speedrun_eval.py: the project's modules are in the folder above
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 import chat
 import data
 import dsa
@@ -36,10 +42,12 @@ import rollout
 import sampling
 import sft_data
 import weights
+from quantize import bytes_per_token
 from speedrun import final_ckpt
 from tokenizer import get_tokenizer
+from train import val_loss
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: data/, bench/
 STAGE_CKPTS = [  # (the report's name, the path under the run directory), in pipeline order
     ("pretrain", "pretrain/ckpt.pt"),
     ("dsa_warmup", "dsa_warmup/ckpt.pt"),
@@ -50,19 +58,21 @@ STAGE_CKPTS = [  # (the report's name, the path under the run directory), in pip
     ("w4a8_rot", "quantize/w4a8_rot"),
 ]
 CHAT_STAGES = ("sft", "sft_episodes", "rl", "w4a8_rot")
-# a toy-level math task as the environment episodes pose it (env_math's wording, rollout.py's system prompt)
+# a toy-level math task as the environment episodes pose it (envs.env_math's wording, rollout.SYSTEM)
 CHAT_QUESTION = "Compute 7 - 2. Give the exact answer (an integer or a fraction) in \\boxed{}."
 
 
 def need(path):
     if not os.path.exists(path):
-        raise SystemExit(f"speedrun_eval: no {path}; run the stage that writes it first (python speedrun.py)")
+        raise SystemExit(
+            f"speedrun_eval: no {path}; run the stage that writes it first (python workshop/speedrun.py)"
+        )
     return path
 
 
 def val_batches(n, block, dev, seed=0):
     """n held-out batches of 4 x block tokens, the same for every model measured."""
-    loader = data.DataLoader(os.path.join(HERE, "data", "stdlib"))
+    loader = data.DataLoader(os.path.join(ROOT, "data", "stdlib"))
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(n):
@@ -130,7 +140,7 @@ def make_probes(tok, n, length, seed=0):
     """n passkey contexts of `length` tokens: "PASSKEY = <number>" first, held-out code in between, and
     "PASSKEY =" again at the end, then the answer. -> [(ids, answer start, answer ids, key positions,
     control ids)], the control the same context with another number in the first line."""
-    loader = data.DataLoader(os.path.join(HERE, "data", "stdlib"))
+    loader = data.DataLoader(os.path.join(ROOT, "data", "stdlib"))
     g = torch.Generator().manual_seed(seed)
     newline = tok.encode("\n")
     probes = []
@@ -204,16 +214,16 @@ def part_dsa(run_dir, s, dev):
     batches = val_batches(s["val_batches"], s["val_block"], dev)
     out = {"index_topk": topk, "val_block": s["val_block"], "val_tokens": sum(x.numel() for x, _ in batches)}
     with torch.no_grad():
-        out["val_dense"] = bench_quant.val_loss(dense, batches)
+        out["val_dense"] = val_loss(dense, batches)
         with Selection("dsa"):
-            out["val_warmup_sparse"] = bench_quant.val_loss(warm, batches)
-            out["val_sparse"] = bench_quant.val_loss(sparse, batches)
+            out["val_warmup_sparse"] = val_loss(warm, batches)
+            out["val_sparse"] = val_loss(sparse, batches)
         # the same sparse weights with dense attention: what the top-k selection itself costs
-        out["val_sparse_as_dense"] = bench_quant.val_loss(set_dsa_mode(sparse, "dense"), batches)
+        out["val_sparse_as_dense"] = val_loss(set_dsa_mode(sparse, "dense"), batches)
         set_dsa_mode(sparse, "sparse")
         with Selection("window"):
-            out["val_sparse_window"] = bench_quant.val_loss(sparse, batches)
-    tok = get_tokenizer(4096, cache_dir=os.path.join(HERE, "data"), verbose=False)
+            out["val_sparse_window"] = val_loss(sparse, batches)
+    tok = get_tokenizer(4096, cache_dir=os.path.join(ROOT, "data"), verbose=False)
     probes = make_probes(tok, s["probes"], s["probe_len"])
     out["probe"] = {
         "n": len(probes),
@@ -229,7 +239,7 @@ def part_dsa(run_dir, s, dev):
     }
     sparse.config.index_quant = "int8"  # the selection from int8 q and k, as serving can run it
     with torch.no_grad():
-        out["val_sparse_int8_index"] = bench_quant.val_loss(sparse, batches)
+        out["val_sparse_int8_index"] = val_loss(sparse, batches)
     out["probe"]["DSA, int8 indexer (sparse model, index_quant)"] = run_probe(sparse, probes, "dsa", dev)
     sparse.config.index_quant = "none"
     return out
@@ -238,8 +248,8 @@ def part_dsa(run_dir, s, dev):
 # -----------------------------------------------------------------------------
 # quant: bytes and perplexity per scheme
 #
-# Checkpoint bytes and val perplexity of BF16, W8A8 and W4A8 with rotation (bench_quant.py's val_loss and
-# bytes_per_token, on quantize.py's checkpoints from the run).
+# Checkpoint bytes and val perplexity of BF16, W8A8 and W4A8 with rotation (train.val_loss and
+# quantize.bytes_per_token, as bench/bench_quant.py measures them, on quantize.py's checkpoints from the run).
 
 
 def dir_bytes(directory):
@@ -263,10 +273,10 @@ def part_quant(run_dir, s, out_path):
         models.append((scheme, quantized.from_pretrained(d, dtype=torch.float32).eval(), d))
     with torch.no_grad():
         for label, m, d in models:
-            loss = bench_quant.val_loss(m, batches)
+            loss = val_loss(m, batches)
             rows[label] = {
                 "bytes": dir_bytes(d),
-                "bytes_per_token": bench_quant.bytes_per_token(d, cfg),
+                "bytes_per_token": bytes_per_token(d, cfg),
                 "val_loss": loss,
                 "ppl": math.exp(loss),
             }
@@ -301,9 +311,9 @@ def quant_batches(run_dir, n, block):
 # serve: every checkpoint through the engine, MTP accept length, prefix-cache hits
 #
 # Every stage's checkpoint through engine.Engine (greedy tokens/s at one batch, a sample; the chat checkpoints
-# answer once in each thinking mode); the MTP accept length (bench_serve.bench_mtp) and the prefix-cache hit
-# rate of multi-turn rollouts on two serve.py replicas, DP-aware router vs round-robin (bench_rl.main --parts
-# cache).
+# answer once in each thinking mode); the MTP accept length (bench/bench_serve.py's part 2 at one draft
+# count) and the prefix-cache hit rate of multi-turn rollouts on two serve.py replicas, DP-aware router vs
+# round-robin (bench/bench_rl.py's part 2, run as its own process).
 
 
 def greedy_tps(m, tok, prompts, n_new):
@@ -335,13 +345,47 @@ def chat_replies(m, tok, n_new):
     return out
 
 
-def part_serve(run_dir, s, dev):
-    import bench_rl
-    import bench_serve
+def mtp_accept(m, tok, prompts, n_new, drafts):
+    """MTP speculative decoding with `drafts` drafted tokens against plain decoding, batch 1, greedy, one
+    request after another -> (accept length: tokens appended per verify forward, the bonus token included, as
+    the report counts it; wall-clock speedup; outputs identical to plain greedy). bench/bench_serve.py's
+    part 2 does the same for 1..4 drafts, with the step costs beside it."""
+    greedy = sampling.SamplingParams(max_tokens=n_new, temperature=0, ignore_eos=True)
+    pages = -(-(len(prompts[0]) + n_new + 8) // 16) + 4
 
-    tok = get_tokenizer(4096, cache_dir=os.path.join(HERE, "data"), verbose=False)
-    loader = data.DataLoader(os.path.join(HERE, "data", "stdlib"))
-    prompts = bench_serve.prompts_from(loader, s["serve_prompts"], 32, tok.vocab_size, seed=0)
+    def run(n):
+        eng = engine.Engine(
+            m, tok, num_pages=pages, page_size=16, max_batch=1, spec_tokens=n, prefix_cache=False
+        )
+        eng.generate(prompts[:1], sampling.SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+        t0 = time.perf_counter()
+        rs = [eng.generate([p], greedy)[0] for p in prompts]
+        return rs, time.perf_counter() - t0
+
+    plain, t_plain = run(0)
+    rs, t = run(drafts)
+    accept = sum(sum(r.accepted) for r in rs) / sum(len(r.accepted) for r in rs)
+    return accept, t_plain / t, sum(r.out == p.out for r, p in zip(rs, plain))
+
+
+def prefix_cache_hits(ckpt, s):
+    """bench/bench_rl.py's part 2 on two replicas, as its own process (it starts serve.py replicas and
+    registers its environment for its run) -> {"router" / "round-robin": hit rates and prompt tokens}."""
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "bench_rl.json")
+        cmd = [sys.executable, os.path.join(ROOT, "bench", "bench_rl.py"), "--parts", "cache", "--ckpt", ckpt]
+        cmd += ["--cache_replicas", "2", "--groups", str(s["cache_groups"]), "--turns", "2"]
+        cmd += ["--max_tokens", str(s["cache_max_tokens"]), "--json", path]
+        subprocess.run(cmd, check=True)
+        with open(path) as f:
+            return json.load(f)["cache"]["2"]
+
+
+def part_serve(run_dir, s, dev):
+    tok = get_tokenizer(4096, cache_dir=os.path.join(ROOT, "data"), verbose=False)
+    loader = data.DataLoader(os.path.join(ROOT, "data", "stdlib"))
+    g = torch.Generator().manual_seed(0)
+    prompts = loader.get_batch("val", s["serve_prompts"], 32, generator=g)[0].tolist()  # held-out windows
     out = {"stages": {}, "batch": len(prompts), "new_tokens": s["new_tokens"]}
     for name, rel in STAGE_CKPTS:
         path = os.path.join(run_dir, rel)
@@ -356,26 +400,16 @@ def part_serve(run_dir, s, dev):
         print(f"{name}: {tps:.1f} tok/s at batch {len(prompts)}", flush=True)
     final = need(final_ckpt(run_dir))
     m = engine.load_model(final, device=dev)
-    drafts = s["mtp_drafts"]
-    n, accept, speedup, same = bench_serve.bench_mtp(m, tok, prompts, s["new_tokens"], [drafts], dev)[0]
+    accept, speedup, same = mtp_accept(m, tok, prompts, s["new_tokens"], s["mtp_drafts"])
     out["mtp"] = {
-        "drafts": n,
+        "drafts": s["mtp_drafts"],
         "accept_length": accept,
         "speedup": speedup,
         "identical": same,
         "of": len(prompts),
     }
-    argv = ["--parts", "cache", "--ckpt", final, "--cache_replicas", "2", "--groups", str(s["cache_groups"])]
-    argv += ["--max_tokens", str(s["cache_max_tokens"]), "--turns", "2"]
-    tallies = bench_rl.main(argv)["cache"][2]
     out["prefix_cache"] = {"replicas": 2, "groups": s["cache_groups"], "rollouts": 4 * s["cache_groups"]}
-    for gw, t in tallies.items():
-        out["prefix_cache"][gw] = {
-            "hit_rate": t.rate(sorted(t.prompt)),
-            "later_turns": t.rate(sorted(t.prompt)[1:]),
-            "prompt_tokens": sum(t.prompt.values()),
-            "turns": len(t.prompt),  # the most turns a rollout reached
-        }
+    out["prefix_cache"].update(prefix_cache_hits(final, s))
     return out
 
 

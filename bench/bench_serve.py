@@ -12,10 +12,10 @@ token against a dense multi-head K/V cache.
 
 Run it:
     python train.py configs/toy.py          # first: the trained toy checkpoint (out/ckpt.pt), parts 1-2
-    python bench_serve.py                   # every part
-    python bench_serve.py --parts=transformers --threads=1   # on a busy machine: one thread each
-    python bench_serve.py --parts=dsa --contexts=16384,65536,131072
-    python bench_serve.py --device=cuda     # on a GPU (the DSA part then runs the Triton kernels)
+    python bench/bench_serve.py             # every part
+    python bench/bench_serve.py --parts=transformers --threads=1  # on a busy machine: one thread each
+    python bench/bench_serve.py --parts=dsa --contexts=16384,65536,131072
+    python bench/bench_serve.py --device=cuda  # on a GPU (the DSA part then runs the Triton kernels)
 
 Honest limits: on a CPU the toy model's decode step is dominated by per-layer Python and small-matmul
 overhead, so batching gains are larger and MTP gains smaller than on a GPU serving a big model; the DSA
@@ -28,9 +28,13 @@ import argparse
 import math
 import os
 import statistics
+import sys
 import time
 
 import torch
+
+# run as python bench/bench_serve.py: the project's modules are in the folder above
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import dsa
 import engine
@@ -44,7 +48,7 @@ from train import pick_device, sync
 from data import DataLoader
 from tokenizer import get_tokenizer
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: configs/, data/
 
 
 def prompts_from(loader, n, length, vocab_size, seed):
@@ -189,7 +193,7 @@ def step_costs(m, tok, prompt, n, dev, reps=5):
 def glm5_layer_config(max_positions, **overrides):
     """One GLM-5 layer: the released attention shapes (configs/full.py), a small dense FFN and vocabulary,
     no MTP block; overrides replace any field."""
-    full, _ = glm.load_config_file(os.path.join(HERE, "configs/full.py"))
+    full, _ = glm.load_config_file(os.path.join(ROOT, "configs/full.py"))
     one_layer = {
         "num_hidden_layers": 1,
         "first_k_dense_replace": 1,
@@ -299,8 +303,9 @@ def bench_dsa(contexts, rows, reps, dev, dtype):
                 f"{(weight_bytes / bw + score8) * 1e3:.1f} ms",
                 flush=True,
             )
-        # dense attention is arithmetic too, and more of it: paged_attention.decode_attention's two products over all S
-        # latents, [q_abs | q_pe] (H x (C + R)) against them and the probabilities back through them
+        # dense attention is arithmetic too, and more of it: paged_attention.decode_attention's two
+        # products over all S latents, [q_abs | q_pe] (H x (C + R)) against them and the probabilities back
+        # through them
         H = cfg.num_attention_heads
         q_cat = torch.randn(H, C + R, device=dev, dtype=dtype)
         latents = torch.randn(S, C + R, device=dev, dtype=dtype)
@@ -447,7 +452,7 @@ def bench_memory():
     toy and GLM-5's published shapes, fp32 and bf16, the indexer key in float and in int8."""
     rows = []
     for name in ("toy", "full"):
-        cfg, _ = glm.load_config_file(os.path.join(HERE, f"configs/{name}.py"))
+        cfg, _ = glm.load_config_file(os.path.join(ROOT, f"configs/{name}.py"))
         for dtype in (torch.float32, torch.bfloat16):
             for index_quant in ("none", "int8"):
                 cfg.index_quant = index_quant
@@ -692,7 +697,7 @@ def mixed_once(m, tok, hf, n, mean_gap, max_batch, loader, compiled):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
-        "--ckpt", default=os.path.join(HERE, "out/ckpt.pt"), help="train.py checkpoint or save_pretrained dir"
+        "--ckpt", default=os.path.join(ROOT, "out/ckpt.pt"), help="train.py checkpoint or save_pretrained dir"
     )
     ap.add_argument("--parts", default="transformers,throughput,mtp,dsa,memory")
     ap.add_argument("--device", default="auto")
@@ -736,13 +741,13 @@ def main():
             m = engine.load_model(a.ckpt, device=dev)
             print(f"model: {a.ckpt}")
         else:
-            cfg, _ = glm.load_config_file(os.path.join(HERE, "configs/toy.py"))
+            cfg, _ = glm.load_config_file(os.path.join(ROOT, "configs/toy.py"))
             m = glm.GLM5(cfg).to(dev).eval()
             print(
                 f"model: no checkpoint at {a.ckpt} (run python train.py configs/toy.py); random toy weights"
             )
         tok = get_tokenizer(m.config.vocab_size)
-        ddir = os.path.join(HERE, "data/stdlib")
+        ddir = os.path.join(ROOT, "data/stdlib")
         loader = DataLoader(ddir) if os.path.isdir(ddir) else None
         batches = [int(b) for b in a.batches.split(",")]
         prompts = prompts_from(

@@ -7,7 +7,7 @@ stages' result.json). Each section sets our number beside the GLM-5 report's own
 Plots (PNG beside the report: every train stage's loss curve, the RL reward curve, DSA against dense) need
 matplotlib, an optional dependency imported here only; without it the report says "plots skipped".
 
-Run it: python speedrun.py --report_only [--run NAME]    (rewrites runs/NAME/report.md)
+Run it: python workshop/speedrun.py --report_only [--run NAME]    (rewrites runs/NAME/report.md)
 Tests: python -m pytest -q tests/test_speedrun.py
 Honest limits: the tokens of a train stage are its steps x batch x block x grad_accum from the settings the
 stage logged (SFT rows are packed conversations, so some are padding); the report quotes the samples the
@@ -436,7 +436,7 @@ def write_report(run_dir, stages, args, failed=None):
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     lines = [
         f"# nanoGLM workshop run: {os.path.basename(run_dir)}\n\n",
-        f"`python speedrun.py --preset {args.get('preset')} --config {args.get('config')} --device "
+        f"`python workshop/speedrun.py --preset {args.get('preset')} --config {args.get('config')} --device "
         f"{args.get('device')}{''.join(' --set ' + x for x in args.get('set') or [])}` on "
         f"{platform.machine()}, {os.cpu_count()} cores, load average {load} when this was written.",
         f" **Stopped: stage {failed} failed.**\n\n" if failed else "\n\n",

@@ -12,11 +12,12 @@ is a subprocess of the project's own scripts writing to runs/<run>/<stage>/; a f
 a stopped one resumes, so a re-run continues where the last one stopped (see "The stages" below).
 
 Run it:
-    python speedrun.py                               # the workshop run, 2-core CPU (--preset cpu)
-    python speedrun.py --preset tiny --run tiny      # a few steps per stage: the plumbing only
-    python speedrun.py --device cuda --config configs/small.py --preset gpu --run small
-    python speedrun.py --set pretrain.max_iters=300 --set rl.max_steps=10   # any stage setting, per run
-    python speedrun.py --report_only                 # rewrite report.md from what runs/<run>/ holds
+    python workshop/speedrun.py                           # the workshop run, 2-core CPU (--preset cpu)
+    python workshop/speedrun.py --preset tiny --run tiny  # a few steps per stage: the plumbing only
+    python workshop/speedrun.py --device cuda --config configs/small.py --preset gpu --run small
+    python workshop/speedrun.py --set pretrain.max_iters=300 --set rl.max_steps=10   # any stage setting
+    python workshop/speedrun.py --report_only             # rewrite report.md from what runs/<run>/ holds
+Each stage runs from the repository's root (the folder above this one), whatever the current directory.
 Tests: python -m pytest -q tests/test_speedrun.py
 
 Honest limits: the stages and their order follow the report; their lengths are what fits 45 minutes on two
@@ -40,13 +41,14 @@ import time
 import speedrun_report
 from speedrun_report import TRAIN_STAGES, finished
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+# the repository: configs/, data/, runs/, and the scripts each stage runs (from there, as its working dir)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def train_stages_tuned():
     """configs/speedrun_stages.py's STAGES -> {stage: train.py settings}, less the stage name (the speedrun
     passes --stage itself), with a sample at the end of pretraining and none after the others."""
-    tuned = runpy.run_path(os.path.join(HERE, "configs", "speedrun_stages.py"))["STAGES"]
+    tuned = runpy.run_path(os.path.join(ROOT, "configs", "speedrun_stages.py"))["STAGES"]
     out = {}
     for name, settings in tuned.items():
         kept = {k: v for k, v in settings.items() if k != "stage"}
@@ -108,7 +110,8 @@ PRESETS = {
         "eval": dict(val_batches=8, val_block=256, probes=32, probe_len=384, serve_prompts=8, new_tokens=32,
                      mtp_drafts=4, cache_groups=8, cache_max_tokens=16, quant_batches=8),
     },
-    # a GPU and configs/small.py: python speedrun.py --device cuda --config configs/small.py --preset gpu
+    # a GPU and configs/small.py:
+    # python workshop/speedrun.py --device cuda --config configs/small.py --preset gpu
     "gpu": {
         # not measured on small.py (a larger model may form induction from the corpus alone): the toy's
         # warm-up as measured, at the rates at which it forms (at train.py's 0.02 the toy's does not)
@@ -227,7 +230,7 @@ def stage_commands(name, run_dir, table, args):
     ckpt = os.path.join(d, "ckpt.pt")
     device = [f"--device={args.device}"]
     if name == "data":
-        return [[py, "-c", DATA_SNIPPET]], [os.path.join(HERE, "data", "stdlib", "meta.json")]
+        return [[py, "-c", DATA_SNIPPET]], [os.path.join(ROOT, "data", "stdlib", "meta.json")]
     if name in TRAIN_STAGES:
         # sft_episodes is train.py's SFT stage again, and the copy warm-up its pretraining on copy rows
         stage = {"sft_episodes": "sft", "copy_warmup": "pretrain"}.get(name, name)
@@ -267,7 +270,8 @@ def stage_commands(name, run_dir, table, args):
         return cmds, [os.path.join(d, s, "config.json") for s in QUANT_SCHEMES]
     if name.startswith("eval_"):
         part = name[len("eval_") :]
-        cmd = [py, "speedrun_eval.py", part, "--run_dir", run_dir, "--device", args.device]
+        cmd = [py, os.path.join("workshop", "speedrun_eval.py"), part, "--run_dir", run_dir]
+        cmd += ["--device", args.device]
         cmd += ["--settings", json.dumps(table["eval"]), "--out", os.path.join(d, "result.json")]
         return [cmd], [os.path.join(d, "result.json")]
     raise ValueError(f"no stage {name!r}")
@@ -290,7 +294,7 @@ def run_stage(name, run_dir, table, args, log=print):
             f.flush()
             env = dict(os.environ, PYTHONUNBUFFERED="1")  # its lines as they come, not when a buffer fills
             p = subprocess.Popen(
-                cmd, cwd=HERE, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+                cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
             )
             for line in p.stdout:
                 f.write(line)
@@ -336,7 +340,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description="GLM-5's pipeline in one command, with a report card")
     ap.add_argument("--preset", default="cpu", help=f"stage settings: {', '.join(PRESETS)}")
     ap.add_argument("--run", default=None, help="run name: runs/<run>/ (default: the preset's name)")
-    ap.add_argument("--runs_dir", default=os.path.join(HERE, "runs"), help="where run directories live")
+    ap.add_argument("--runs_dir", default=os.path.join(ROOT, "runs"), help="where run directories live")
     ap.add_argument("--config", default="configs/toy.py", help="the model config of every train stage")
     ap.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N (train stages, RL trainer, evals)")
     ap.add_argument("--set", action="append", default=[], help="stage.key=value over the preset's table")
@@ -347,7 +351,7 @@ def main(argv=None):
     table = stage_settings(args.preset, args.set)
     if args.stop_after is not None and args.stop_after not in STAGE_NAMES:
         raise SystemExit(f"--stop_after {args.stop_after!r}: no such stage; one of {', '.join(STAGE_NAMES)}")
-    if not os.path.isfile(os.path.join(HERE, args.config)) and not os.path.isfile(args.config):
+    if not os.path.isfile(os.path.join(ROOT, args.config)) and not os.path.isfile(args.config):
         raise SystemExit(f"--config {args.config}: no such file; pass configs/toy.py or configs/small.py")
     run_dir = os.path.abspath(os.path.join(args.runs_dir, args.run or args.preset))
     os.makedirs(run_dir, exist_ok=True)

@@ -11,10 +11,10 @@ only the optimizer differs:
                  the project uses)
 
 Run it:
-    python bench_muon.py                     # 200 steps x 8 x 256 tokens per run
-    python bench_muon.py --quick             # 20 steps, a smoke test
-    python bench_muon.py --adamw_lrs=1e-3,3e-3,1e-2   # sweep AdamW's lr; the best final loss is the reference
-    python bench_muon.py --steps=1000 --lr_muon=0.01 --device=cuda
+    python bench/bench_muon.py               # 200 steps x 8 x 256 tokens per run
+    python bench/bench_muon.py --quick       # 20 steps, a smoke test
+    python bench/bench_muon.py --adamw_lrs=1e-3,3e-3,1e-2   # sweep AdamW's lr; the best final loss: reference
+    python bench/bench_muon.py --steps=1000 --lr_muon=0.01 --device=cuda
 
 Honest limits: one seed, one small model, one short budget on a tiny corpus: a difference of a few
 hundredths in val loss is within what another seed would give, and Moonlight's 2x comes from scaling-law
@@ -31,10 +31,14 @@ import copy
 import dataclasses
 import json
 import os
+import sys
 import time
 from contextlib import nullcontext
 
 import torch
+
+# run as python bench/bench_muon.py: the project's modules are in the folder above
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import data
 import model
@@ -44,7 +48,7 @@ from bench_train import describe_machine
 from train import pick_device, sync
 from tokenizer import get_tokenizer
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: configs/, data/
 
 # train.py's objective and WSD schedule, read from its defaults (not copied), fixed for every optimizer
 MTP_WEIGHT_EARLY, MTP_WEIGHT_LATE = train.mtp_weight_early, train.mtp_weight_late  # switch at half the run
@@ -218,8 +222,8 @@ def parse_args():
 
 def fixed_batches(args):
     """The same data for every run: the train batches drawn once, in order, and the fixed val batches."""
-    ddir = os.path.join(HERE, "data/stdlib")
-    tok = get_tokenizer(4096, cache_dir=os.path.join(HERE, "data"))
+    ddir = os.path.join(ROOT, "data/stdlib")
+    tok = get_tokenizer(4096, cache_dir=os.path.join(ROOT, "data"))
     data.prepare(4096, out_dir=ddir, tokenizer=tok)
     loader = data.DataLoader(ddir)
     gen = torch.Generator().manual_seed(args.seed)

@@ -6,11 +6,11 @@ measured side by side in one run and described at its section below: 1. async vs
 workload; 2. the prefix-cache hit rate of multi-turn rollouts, DP-aware router vs round-robin; 3. the
 trainer's step with each group's prompt encoded once (shared_prefix.py) vs one forward per row.
 
-    python bench_rl.py                     # all three parts, a fresh toy model
-    python bench_rl.py --parts step --ckpt runs/cpu/sft_episodes/ckpt.pt     # part 3 on the toy policy
-    python bench_rl.py --quick             # a small run: checks that it all works
-    python bench_rl.py --ckpt out_sft/ckpt.pt --steps 12      # a train.py checkpoint or save_pretrained dir
-    python bench_rl.py --parts async --ahead 2 --tau 2        # the in-flight depth and the staleness bound
+    python bench/bench_rl.py               # all three parts, a fresh toy model
+    python bench/bench_rl.py --parts step --ckpt runs/cpu/sft_episodes/ckpt.pt  # part 3 on the toy policy
+    python bench/bench_rl.py --quick       # a small run: checks that it all works
+    python bench/bench_rl.py --ckpt out_sft/ckpt.pt --steps 12  # a train.py checkpoint or save_pretrained dir
+    python bench/bench_rl.py --parts async --ahead 2 --tau 2  # the in-flight depth and the staleness bound
 Needs the tokenizer (data/tokenizer_4096.json, which `python train.py configs/toy.py` builds first).
 
 Honest limits: an untrained model never ends a turn by itself nor writes tool calls, so the bench's gateway
@@ -28,6 +28,7 @@ machine are noisy (the load is printed first).
 
 import argparse
 import itertools
+import json
 import os
 import random
 import shutil
@@ -41,6 +42,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+# run as python bench/bench_rl.py: the project's modules are in the folder above
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 import engine
 import envs
 import model
@@ -53,7 +57,7 @@ import serve
 import weights
 from bench_train import describe_machine
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: configs/, data/
 
 
 # -----------------------------------------------------------------------------
@@ -145,6 +149,17 @@ class Tally:
         p = sum(self.prompt[t] for t in turns)
         return sum(self.cached[t] for t in turns) / p if p else 0.0
 
+    def summary(self):
+        """The hit rate over every turn and over the turns after the first, the prompt tokens, and the most
+        turns a rollout reached (what --json writes)."""
+        turns = sorted(self.prompt)
+        return {
+            "hit_rate": self.rate(turns),
+            "later_turns": self.rate(turns[1:]),
+            "prompt_tokens": sum(self.prompt.values()),
+            "turns": len(turns),
+        }
+
 
 class BenchGateway(orchestrator.SeededGateway):
     """rl_async's gateway (seeded sampling) that ends a reply cut at max_tokens with <|endoftext|>, recorded
@@ -210,14 +225,14 @@ class swapped:
 # weights.save_pretrained; rewards do not matter for throughput. Replicas are serve.py processes (separate
 # interpreters, as real replicas are), one torch thread each; the trainer runs in this process with --threads
 # torch threads (1 by default: on a loaded 2-core CPU two threads made the toy's RL step slower, see
-# docs/design-notes.md). The bench runs from this file's directory, where serve.py finds data/. The bench's
+# docs/design-notes.md). The bench runs from the repository's root, where serve.py finds data/. The bench's
 # hooks into rl_async are Orchestrator.gateway_class (swapped for the run) and envs.ENVS (the wrapper added);
 # rl_async.py itself is unchanged.
 
 
 def fresh_checkpoint(directory, seed=0):
     """A freshly initialized toy GLM-5 (configs/toy.py sizes) saved with save_pretrained -> its directory."""
-    cfg, _ = model.load_config_file(os.path.join(HERE, "configs", "toy.py"))
+    cfg, _ = model.load_config_file(os.path.join(ROOT, "configs", "toy.py"))
     torch.manual_seed(seed)
     weights.save_pretrained(model.GLM5(cfg), directory, dtype=torch.float32)
     return directory
@@ -513,7 +528,7 @@ def part_step(args, tok):
 
 
 # -----------------------------------------------------------------------------
-# python bench_rl.py
+# python bench/bench_rl.py
 
 
 def main(argv=None):
@@ -537,6 +552,7 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=1, help="torch threads of the trainer (this process)")
     ap.add_argument("--step_groups", type=int, default=16, help="part 3: groups of 8 rollouts in the batch")
     ap.add_argument("--step_reps", type=int, default=2, help="part 3: timed steps of each kind")
+    ap.add_argument("--json", default=None, help="also write the results to this file (part 2: summaries)")
     args = ap.parse_args(argv)
     if args.quick:
         args.steps, args.groups, args.scale, args.cap, args.cache_replicas = 3, 2, 0.1, 2.0, "2"
@@ -548,7 +564,9 @@ def main(argv=None):
     print(describe_machine())
     if args.ckpt is not None:
         args.ckpt = os.path.abspath(args.ckpt)
-    os.chdir(HERE)  # serve.py finds the tokenizer in data/
+    if args.json is not None:
+        args.json = os.path.abspath(args.json)
+    os.chdir(ROOT)  # serve.py finds the tokenizer in data/
     work = tempfile.mkdtemp(prefix="bench_rl_")
     results = {}
     try:
@@ -593,6 +611,13 @@ def main(argv=None):
             )
         load = os.getloadavg()[0]
         print(f"\nsummary: {'; '.join(summary)} (load {load:.1f} at the end, {os.cpu_count()} cores)")
+        if args.json is not None:
+            written = dict(results)
+            if "cache" in written:
+                cache = written["cache"]
+                written["cache"] = {n: {k: t.summary() for k, t in gw.items()} for n, gw in cache.items()}
+            with open(args.json, "w") as f:
+                json.dump(written, f, indent=1, default=str)
     finally:
         envs.ENVS.pop("longtail", None)
         shutil.rmtree(work, ignore_errors=True)

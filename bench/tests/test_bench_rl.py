@@ -3,19 +3,14 @@ closes a reply cut at max_tokens with glue the TITO record masks, tallies every 
 round-robin sends each request to the next replica (a fake replica in place of HTTP, so these are fast);
 and `--quick` end to end over real serve.py replica processes (slow: a minute or more on 2 loaded cores)."""
 
+import json
 
 import pytest
-from conftest import tiny_chat_tokenizer
 
 import bench_rl
 import envs
 import orchestrator
 import rollout
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return tiny_chat_tokenizer()
 
 
 @pytest.fixture
@@ -101,6 +96,12 @@ def test_the_gateway_closes_cut_replies_and_keeps_the_record_exact(tok, longtail
     assert [tally.prompt[t] for t in (1, 2, 3)] == [len(r["prompt"]) for r in gw.requests]
     assert gw.cached_tokens == sum(tally.cached.values()) == 3 * 16
     assert tally.rate([1, 2, 3]) == 48 / sum(len(r["prompt"]) for r in gw.requests)
+    assert tally.summary() == {  # what --json writes for a run
+        "hit_rate": tally.rate([1, 2, 3]),
+        "later_turns": tally.rate([2, 3]),
+        "prompt_tokens": sum(len(r["prompt"]) for r in gw.requests),
+        "turns": 3,
+    }
     assert set(fake.urls) == {"http://replica-a/v1/completions"}  # pinned: the router's replica
 
 
@@ -120,9 +121,9 @@ def test_the_wrapper_is_registered_for_the_run_only():
 
 
 @pytest.mark.slow
-def test_quick_run_end_to_end(monkeypatch, capsys):
+def test_quick_run_end_to_end(monkeypatch, capsys, tmp_path):
     cwd = bench_rl.os.getcwd()
-    results = bench_rl.main(["--quick"])
+    results = bench_rl.main(["--quick", "--json", str(tmp_path / "results.json")])
     out = capsys.readouterr().out
     assert out.startswith("load:") and "summary: async/sync" in out and "prefix-cache hits" in out
     assert bench_rl.os.getcwd() == cwd and "longtail" not in envs.ENVS
@@ -136,6 +137,8 @@ def test_quick_run_end_to_end(monkeypatch, capsys):
     router, rr = results["cache"][2]["router"], results["cache"][2]["round-robin"]
     later = sorted(router.prompt)[1:]
     assert later and router.rate(later) > rr.rate(later) > 0  # pinned rollouts find their own context
+    written = json.loads((tmp_path / "results.json").read_text())
+    assert written["cache"]["2"] == {"router": router.summary(), "round-robin": rr.summary()}
     step = results["step"]  # 3 groups of the toy mix: the same update, each prompt once
     assert len(step["plain"]) == len(step["shared"]) == 1 and step["shared_tokens"] < step["tokens"]
     assert step["max_diff"] < 1e-5

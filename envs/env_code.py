@@ -1,6 +1,6 @@
 """
 Code: write `solve(xs)` from a spec, with the tool run_python (GLM-5 report, arXiv 2602.15763, its agentic
-RL sections: coding environments with rewards from executed tests), one of the environments of envs.py.
+RL sections: coding environments with rewards from executed tests), one of the environments of envs/.
 
 Grading runs a runner that imports the solution and calls it on hidden inputs, which exist in the sandbox
 only during that run (read-only in-memory files), never during tool calls. The expected outputs never
@@ -8,9 +8,9 @@ enter it: the host compares what the runner printed, so "PASSED" lines, fake res
 result line earn nothing unless the outputs are right. Levels 1 to 5: a pipeline of 1 to d list
 operations, then a last step that returns; toy level (0): the last step alone (return their sum, say).
 
-Run: python envs.py (one task per environment; python rollout.py plays them through the agent loop)
+Run: python -m envs (one task per environment; python rollout.py plays them through the agent loop)
 Tests: python -m pytest -q tests/test_envs.py tests/test_sandbox.py
-Honest limits: one small family (list pipelines), not SWE-bench; it needs bubblewrap (sandbox.py) and
+Honest limits: one small family (list pipelines), not SWE-bench; it needs bubblewrap (envs/sandbox.py) and
 refuses to run without it.
 """
 
@@ -19,8 +19,8 @@ import re
 import uuid
 from math import prod
 
-from env_base import Env, call, show
-from sandbox import Limits
+from envs.env_base import Env, call, show
+from envs.sandbox import Limits
 
 # -----------------------------------------------------------------------------
 # Code: write solve(xs); hidden tests reach the sandbox only after the solution ran

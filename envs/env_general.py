@@ -2,7 +2,7 @@
 General RL: a chat instruction whose reward is rule-based, format, length and language rules mixed (GLM-5
 report, arXiv 2602.15763, its general RL stage, which the report trains after reasoning and agentic RL; the
 kinds of rule follow IFEval's verifiable instructions, Zhou et al. 2023, arXiv 2311.07911), one of the
-environments of envs.py (the API is env_base.py's).
+environments of envs/ (the API is env_base.py's).
 
 One turn, no tools. A task asks for a short reply to a name or about a topic, adds format, length and
 language rules (listed at the rules section), and always asks for its content: the reply must mention the
@@ -11,7 +11,7 @@ failed. Difficulty 0 is the toy level, e.g. "Greet Mira in at most 4 words, endi
 levels 1 to 5 are described at the tasks section.
 
 Run:
-    python envs.py                                                      # one task per environment
+    python -m envs                                                      # one task per environment
     python episodes.py 400 data/sft_general.jsonl --env general --difficulty 0   # SFT episodes
 Tests: python -m pytest -q tests/test_envs.py
 Honest limits: the rules check form, not meaning: "Mira!" greets Mira as far as they can tell, and any
@@ -23,7 +23,7 @@ templates, not prose.
 import re
 import unicodedata
 
-from env_base import Env, boxed
+from envs.env_base import Env, boxed
 
 # -----------------------------------------------------------------------------
 # The rules: pure functions of the reply's text (and one argument), True when the rule holds

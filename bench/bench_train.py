@@ -7,14 +7,14 @@ untimed ones. Printed per config: ms/step, tokens/s, memory and three MFUs (defi
 MoE experts run both ways in the same run, per-expert loop vs grouped GEMM (see "One config").
 
 Run it:
-    python bench_train.py                                   # toy and small on the best device here
-    python bench_train.py --configs=configs/toy.py --steps=20 --batch_size=16
-    python bench_train.py --device=cuda                     # small in bf16 autocast on one GPU
-    python bench_train.py --configs=configs/small.py --layers=2 --block_size=512
-    python bench_train.py --configs=configs/toy.py --experts=grouped   # one path only (half the memory)
-    python bench_train.py --configs=configs/toy.py --experts=grouped --mtp_weight=0   # without the MTP passes
-    python bench_train.py --configs=configs/toy.py --stages --steps=3   # each pipeline stage's step
-    python bench_train.py --copy_probe=out/ckpt.pt,out_sft/ckpt.pt      # can they copy from context?
+    python bench/bench_train.py                             # toy and small on the best device here
+    python bench/bench_train.py --configs=configs/toy.py --steps=20 --batch_size=16
+    python bench/bench_train.py --device=cuda               # small in bf16 autocast on one GPU
+    python bench/bench_train.py --configs=configs/small.py --layers=2 --block_size=512
+    python bench/bench_train.py --configs=configs/toy.py --experts=grouped   # one path only (half the memory)
+    python bench/bench_train.py --configs=configs/toy.py --experts=grouped --mtp_weight=0   # no MTP passes
+    python bench/bench_train.py --configs=configs/toy.py --stages --steps=3   # each pipeline stage's step
+    python bench/bench_train.py --copy_probe=out/ckpt.pt,out_sft/ckpt.pt     # can they copy from context?
 
 Honest limits: configs/small.py is 1.37B parameters; training it in fp32 needs about 12-16 bytes per
 parameter plus activations. When the estimate exceeds half the memory available now (--mem_frac), the
@@ -33,11 +33,15 @@ import dataclasses
 import os
 import platform
 import resource
+import sys
 import time
 from contextlib import nullcontext
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
+
+# run as python bench/bench_train.py: the project's modules are in the folder above
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import experts
 import model
@@ -346,9 +350,9 @@ def probe_checkpoints(paths, args):
     from tokenizer import get_tokenizer
     from train import load_checkpoint
 
-    here = os.path.dirname(os.path.abspath(__file__))
-    tok = get_tokenizer(4096, cache_dir=os.path.join(here, "data"))
-    loader = data.DataLoader(os.path.join(here, "data/stdlib"))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    tok = get_tokenizer(4096, cache_dir=os.path.join(root, "data"))
+    loader = data.DataLoader(os.path.join(root, "data/stdlib"))
     counts = np.zeros(tok.vocab_size, dtype=np.int64)
     for shard in loader.shards["train"]:
         counts += np.bincount(np.asarray(shard), minlength=tok.vocab_size)[: tok.vocab_size]

@@ -1,13 +1,13 @@
 """
 Math: procedural problems with exact answers (GLM-5 report, arXiv 2602.15763, its reasoning RL: math whose
-answers are verified), one of the environments of envs.py (the API is env_base.py's).
+answers are verified), one of the environments of envs/ (the API is env_base.py's).
 
 Levels 1 to 5: arithmetic over fractions, linear equations, series, gcd/lcm, modular powers, a word
 problem, each with the worked steps its solution reasons through. Toy level (0): one operation on two
 single digits (3 * 7), 300 questions in all. Answers are parsed (\\boxed{1/2}, \\frac{1}{2}, 0.5, 2/4 are
 equal) and compared as exact Fractions, never evaluated.
 
-Run: python envs.py (one task per environment; python rollout.py plays them through the agent loop)
+Run: python -m envs (one task per environment; python rollout.py plays them through the agent loop)
 Tests: python -m pytest -q tests/test_envs.py
 Honest limits: six small generators, not competition math; the grader reads one number (the boxed one,
 else the last one written), so an expression, a set of answers or a unit is no answer.
@@ -17,7 +17,7 @@ import re
 from fractions import Fraction
 from math import gcd, lcm
 
-from env_base import Env, boxed
+from envs.env_base import Env, boxed
 
 # -----------------------------------------------------------------------------
 # Math: procedural problems with exact answers, and answers compared without eval

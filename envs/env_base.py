@@ -1,5 +1,5 @@
 """
-The API every environment of envs.py shares (GLM-5 report, arXiv 2602.15763, its agentic RL sections:
+The API every environment of envs/ shares (GLM-5 report, arXiv 2602.15763, its agentic RL sections:
 verifiable environments whose rewards the environment itself checks).
 
     task, tools = env.reset(seed)       # the task text and the tool list (seed None: a random task)
@@ -17,7 +17,7 @@ split by seed would not do that); seeds(env, split, n) lists the seeds of a spli
 Also here, the helpers two or more families use: call (a tool call), show (a sandbox result as an
 observation), boxed (the contents of \\boxed{}).
 
-Run: nothing here runs alone; `python envs.py` shows one task per environment.
+Run: nothing here runs alone; `python -m envs` shows one task per environment.
 Tests: python -m pytest -q tests/test_envs.py
 Honest limits: rewards are 1.0 or 0.0, never partial credit; the split holds tasks apart by their exact
 text, so two wordings of one question are two tasks.
@@ -27,7 +27,7 @@ import json
 import random
 import zlib
 
-from sandbox import Sandbox
+from envs.sandbox import Sandbox
 
 # -----------------------------------------------------------------------------
 # The API every environment shares

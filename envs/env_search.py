@@ -1,6 +1,6 @@
 """
 Search: an offline knowledge graph, multi-hop questions, the tools search/open/find (GLM-5 report, arXiv
-2602.15763, its agentic RL sections: search environments), one of the environments of envs.py.
+2602.15763, its agentic RL sections: search environments), one of the environments of envs/.
 
 A world from the seed (people, companies, universities, cities, countries), one page per entity; questions
 with unique answers, because every hop is a function (one birthplace, one founder...). Levels 1 to 5: a
@@ -8,14 +8,14 @@ walk of min(d, 4) hops, sometimes ending in a number; the agent loop keeps the r
 rounds and discards every round past 8,192 tokens of context (rollout.py). Toy level (0): a birth year,
 population or founding year, copied from the hit of one search call.
 
-Run: python envs.py (one task per environment; python rollout.py plays them through the agent loop)
+Run: python -m envs (one task per environment; python rollout.py plays them through the agent loop)
 Tests: python -m pytest -q tests/test_envs.py
 Honest limits: a generated world, not the web; the search engine is word overlap, not BM25.
 """
 
 import re
 
-from env_base import Env, boxed, call, made_up_word
+from envs.env_base import Env, boxed, call, made_up_word
 
 # -----------------------------------------------------------------------------
 # Search: an offline knowledge graph, multi-hop questions, search/open/find

@@ -1,7 +1,8 @@
 """
 The sandbox that runs model-written code and shell commands for the RL environments (GLM-5 report, arXiv
 2602.15763, its agentic RL sections: the environments execute what the model writes and verify the result).
-envs.py uses it.
+The code and terminal environments of envs/ use it; it imports nothing of the project, so it also runs as a
+script.
 
 One Sandbox is one private, throwaway work dir; each run() is a fresh bubblewrap (`bwrap`) container over
 it: its own namespaces, an unprivileged uid inside and out, an empty environment, prlimit limits set inside,
@@ -10,8 +11,8 @@ False, `why` says why, and run() refuses (SandboxUnavailable): nothing ever runs
 and the reason for each choice are described at the Sandbox class.
 
 Run it:
-    python sandbox.py                        # per-execution overhead: sandboxed vs plain, side by side
-    python sandbox.py sh -c 'id; ls /'       # run one command in a sandbox, print the Result
+    python envs/sandbox.py                   # per-execution overhead: sandboxed vs plain, side by side
+    python envs/sandbox.py sh -c 'id; ls /'  # run one command in a sandbox, print the Result
 Tests: python -m pytest -q tests/test_sandbox.py     (real attacks; run them as root, the hard case)
 Does NOT protect against: kernel exploits (no seccomp filter: every syscall the namespaces allow is
 allowed); side channels and CPU contention (no cgroup: memory is capped per process by RLIMIT_AS, so all
@@ -509,7 +510,7 @@ def memfd(data):
 
 
 # -----------------------------------------------------------------------------
-# python sandbox.py: the per-execution overhead, side by side
+# python envs/sandbox.py: the per-execution overhead, side by side
 
 
 def bench(n=20):
@@ -530,7 +531,7 @@ def bench(n=20):
 
 
 def report():
-    """Print the machine and the overhead table (python sandbox.py, python envs.py --bench)."""
+    """Print the machine and the overhead table (python envs/sandbox.py, python -m envs --bench)."""
     print(
         f"machine: {platform.node()}, {os.cpu_count()} CPUs, {platform.platform()}, bwrap "
         f"{subprocess.run(['bwrap', '--version'], capture_output=True, text=True).stdout.split()[-1]}, "

@@ -3,31 +3,30 @@ Verifiable environments for RL (GLM-5 report, arXiv 2602.15763, its RL sections:
 for coding, terminal work, search and reasoning, with rewards checked by the environment, and the general
 RL stage's rule-based rewards).
 
-This file is the table of them (ENVS: math, code, terminal, search, general, each described at the table)
-and the one import for their users: rollout.py, sft_data.py and rl_async.py write envs.ENVS,
-envs.split_of, envs.MathEnv... Each family lives in its own file, one concept each, on the API of
-env_base.py:
+This package's __init__.py is the table of them (ENVS: math, code, terminal, search, general, each
+described at the table) and the one import for their users: rollout.py, episodes.py and orchestrator.py
+write envs.ENVS, envs.split_of, envs.MathEnv... Each family lives in its own file of envs/, one concept
+each (sandbox.py runs what the code and terminal families execute), on the API of env_base.py:
     task, tools = env.reset(seed)       # the task text and the tool list (seed None: a random task)
     observations, reward, done, reason = env.step(message)  # an assistant message (or its text)
 Difficulty runs from 0 to 5. Difficulty 0 is the toy level, tasks a 3M-parameter model learns by
 imitation, so that GRPO finds groups with different rewards before RL (rl_async.py); 1 to 5 get longer and
 deeper. Held-out tasks: split_of(prompt) (one task in five, by a hash of its text); seeds(env, split, n).
 
-Run it:
-    python envs.py            # one task per environment (python rollout.py plays them through the loop)
-    python envs.py --bench    # the sandbox's per-execution overhead
+Run it (envs/__main__.py):
+    python -m envs            # one task per environment (python rollout.py plays them through the loop)
+    python -m envs --bench    # the sandbox's per-execution overhead
 Tests: python -m pytest -q tests/test_envs.py tests/test_sandbox.py
 Honest limits: the tasks are small procedural families (one code family: list pipelines), not SWE-bench or
-the web; code and terminal need bubblewrap (sandbox.py) and refuse to run without it; the search engine is
-word overlap, not BM25; general's rules check form, not meaning, and no reward model scores the rest.
+the web; code and terminal need bubblewrap (envs/sandbox.py) and refuse to run without it; the search
+engine is word overlap, not BM25; general's rules check form, not meaning, and no reward model scores the
+rest.
 """
 
-import sys
-
-from env_base import Env, boxed, call, seeds, show, split_of
-from env_code import CodeEnv
-from env_general import GeneralEnv
-from env_math import (
+from envs.env_base import Env, boxed, call, seeds, show, split_of
+from envs.env_code import CodeEnv
+from envs.env_general import GeneralEnv
+from envs.env_math import (
     MATH,
     MathEnv,
     extract_answer,
@@ -41,9 +40,8 @@ from env_math import (
     math_series,
     parse_number,
 )
-from env_search import ATTRIBUTES, RELATIONS, SearchEnv
-from env_terminal import TerminalEnv
-from sandbox import report
+from envs.env_search import ATTRIBUTES, RELATIONS, SearchEnv
+from envs.env_terminal import TerminalEnv
 
 # the shared API and the names other files use, under envs. as before the families moved to their own files
 __all__ = [
@@ -96,16 +94,3 @@ ENVS = {
     "search": SearchEnv,
     "general": GeneralEnv,
 }
-
-# -----------------------------------------------------------------------------
-# python envs.py: one task per environment (python rollout.py plays them through the agent loop)
-
-if __name__ == "__main__":
-    if "--bench" in sys.argv:
-        report()
-        sys.exit()
-    for name, cls in ENVS.items():
-        env = cls(difficulty=2)
-        task, tools = env.reset(0)
-        print(f"==== {name} (tools: {', '.join(t['name'] for t in tools) or 'none'})\n{task}\n")
-        env.close()

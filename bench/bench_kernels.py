@@ -8,11 +8,11 @@ measured side by side in this run: the reference's time, the kernel's, their rat
 against this device's measured peaks, and the error (defined at row() below).
 
 Run it:
-    python bench_kernels.py                                  # on a CUDA GPU: everything
-    python bench_kernels.py --only=mla,quant --contexts=8192  # a subset
-    python bench_kernels.py --interpret      # tiny shapes under Triton's CPU interpreter: every path runs
+    python bench/bench_kernels.py                            # on a CUDA GPU: everything
+    python bench/bench_kernels.py --only=mla,quant --contexts=8192  # a subset
+    python bench/bench_kernels.py --interpret  # tiny shapes under Triton's CPU interpreter: every path runs
                                              # and agrees; times nothing
-    python bench_kernels.py --cpu            # no GPU needed: kernels_quant's torch integer path vs an
+    python bench/bench_kernels.py --cpu      # no GPU needed: kernels_quant's torch integer path vs an
                                              # fp32 matmul of the dequantized weight, on this CPU
 Without a GPU (and without --interpret or --cpu) it says so and exits 0.
 
@@ -67,6 +67,9 @@ elif not torch.cuda.is_available() and not args.cpu:
         "integer references against fp32 on this CPU"
     )
     sys.exit(0)
+
+# run as python bench/bench_kernels.py: the project's modules are in the folder above
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import dsa  # noqa: E402
 import kernels  # noqa: E402

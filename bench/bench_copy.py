@@ -9,10 +9,10 @@ loss on the repeats, where chance is ln(ids). Three runs, described at main(): f
 copy distance, tested at others), rows (the toy on train.py's copy rows, whose period varies) and reference
 (an attention-only transformer on the same rows, the textbook setting in which induction heads form).
 
-    python bench_copy.py                        # all three runs
-    python bench_copy.py --runs=fixed           # one of them: fixed, rows, reference
-    python bench_copy.py --runs=rows --dense_layers=2 --optimizer=adamw   # the reference's depth and rate
-    python bench_copy.py --runs=reference --reference_layers=4            # the toy's depth
+    python bench/bench_copy.py                                  # all three runs
+    python bench/bench_copy.py --runs=fixed                     # one of them: fixed, rows, reference
+    python bench/bench_copy.py --runs=reference --reference_layers=4      # the toy's depth
+    python bench/bench_copy.py --runs=rows --dense_layers=2 --optimizer=adamw   # the reference's depth, rate
 
 What it found is in the README's RL section and docs/design-notes.md.
 
@@ -23,11 +23,15 @@ the depth and the rates. The script answers "does it form within N steps here", 
 import argparse
 import math
 import os
+import sys
 import time
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+# run as python bench/bench_copy.py: the project's modules are in the folder above
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import copy_probe
 import mla
@@ -37,8 +41,8 @@ import muon
 
 def toy_config():
     """configs/toy.py's ModelConfig."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    cfg, _ = glm.load_config_file(os.path.join(here, "configs", "toy.py"))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cfg, _ = glm.load_config_file(os.path.join(root, "configs", "toy.py"))
     return cfg
 
 
