@@ -25,6 +25,7 @@ probabilities and runs in torch.
 Run its tests with `python -m pytest -q tests/test_dsa.py tests/test_kernels.py`.
 """
 
+import contextlib
 
 import torch
 import torch.nn as nn
@@ -39,10 +40,20 @@ def upcast(t):
     return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
+def no_autocast(device_type):
+    """torch.autocast(enabled=False) where autocast is on (train.py's bf16 on a GPU), else nothing: the
+    scores and the router run in fp32 either way, and a graph without an autocast region stays cacheable
+    (torch.compile's AOTAutograd cache refuses any graph holding one, so the engine's graphs would be
+    rebuilt from scratch in every process)."""
+    if torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
+
+
 def linear_fp32(x, weight):
     """F.linear in fp32 at least, also under autocast (which would run it in bf16): the indexer's head
     weights and the MoE router are fp32 on purpose, as released (DeepSeek-V3.2 report; DeepSeek-V3 report)."""
-    with torch.autocast(x.device.type, enabled=False):
+    with no_autocast(x.device.type):
         return F.linear(upcast(x), weight.to(upcast(x).dtype))
 
 
@@ -92,7 +103,7 @@ def index_scores(q, w, k_all, softmax_scale):
     no mask (causal_index_scores adds the causal one). q (B, T, Hi, Di), w (B, T, Hi), k_all (B, S, Di).
     The scale > 0 goes on the head weights: w_j ReLU(s x) = (s w_j) ReLU(x), one pass less over the
     (B, T, Hi, S) products."""
-    with torch.autocast(q.device.type, enabled=False):  # fp32 scores, also under autocast
+    with no_autocast(q.device.type):  # fp32 scores, also under autocast
         dots = torch.einsum("bthd,bsd->bths", q, upcast(k_all).to(q.dtype))  # (B, T, Hi, S)
         return torch.einsum("bths,bth->bts", relu(dots), w * softmax_scale)
 
@@ -185,7 +196,7 @@ def quantized_index_scores(q, w, packed_k, softmax_scale):
     index_scores, so its last bits may depend on the shape it runs at, as the float path's do."""
     k_int, k_scale = unpack_index_keys(packed_k)  # (B, S, Di), (B, S)
     q_int, q_scale = quantize_int8(q)  # (B, T, Hi, Di), (B, T, Hi)
-    with torch.autocast(q.device.type, enabled=False):
+    with no_autocast(q.device.type):
         dots = torch.einsum("bthd,bsd->bths", q_int.float(), k_int.float()).relu_()  # (B, T, Hi, S)
         I = torch.einsum("bths,bth->bts", dots, w.float() * q_scale * softmax_scale)
         return I * k_scale.unsqueeze(-2)  # (B, T, S)
@@ -203,7 +214,7 @@ def selected_index_scores(q, w, k_all, idx, softmax_scale):
     """index_scores at the selected keys only -> (B, T, K) fp32, equal to index_scores(...).gather(-1, idx):
     all the sparse stage's KL needs, without the (B, T, Hi, S) intermediate (mla.py's kernel path)."""
     k_sel = gather_rows(k_all, idx)  # (B, T, K, Di)
-    with torch.autocast(q.device.type, enabled=False):
+    with no_autocast(q.device.type):
         dots = torch.einsum("bthd,btkd->bthk", q, upcast(k_sel).to(q.dtype))  # (B, T, Hi, K)
         return torch.einsum("bthk,bth->btk", relu(dots), w * softmax_scale)
 

@@ -106,7 +106,7 @@ def pool_index_scores(q, w, k_pool, softmax_scale, work=None):
     q2 = q.reshape(-1, Di)  # (B T Hi, Di)
     if torch.compiler.is_compiling():  # the graph allocates its own buffers
         work = None
-    with torch.autocast(q.device.type, enabled=False):
+    with dsa.no_autocast(q.device.type):
         if k_pool.dtype == torch.int8:
             k_int, k_scale = dsa.unpack_index_keys(k_pool)  # (N, Di), (N,)
             q_int, q_scale = dsa.quantize_int8(q)  # (B, T, Hi, Di), (B, T, Hi)
