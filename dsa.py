@@ -32,7 +32,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import kernels
-import linear
 
 
 def upcast(t):
@@ -72,8 +71,8 @@ class Indexer(nn.Module):
     def __init__(self, hidden_size, q_lora_rank, index_n_heads, index_head_dim, rope_dim):
         super().__init__()
         self.n_heads, self.head_dim, self.rope_dim = index_n_heads, index_head_dim, rope_dim
-        self.wq_b = linear.Linear(q_lora_rank, index_n_heads * index_head_dim, bias=False)
-        self.wk = linear.Linear(hidden_size, index_head_dim, bias=False)
+        self.wq_b = nn.Linear(q_lora_rank, index_n_heads * index_head_dim, bias=False)
+        self.wk = nn.Linear(hidden_size, index_head_dim, bias=False)
         self.k_norm = nn.LayerNorm(index_head_dim, eps=1e-6)  # LayerNorm with weight and bias, as released
         self.weights_proj = nn.Linear(hidden_size, index_n_heads, bias=False)
         self.softmax_scale = index_head_dim**-0.5

@@ -36,6 +36,7 @@ import uuid
 import torch
 
 import chat
+import linear
 import model as glm
 import sampling
 import weights
@@ -227,7 +228,7 @@ class Engine:
         in_place=True,
         compile=False,
     ):
-        self.model = model
+        self.model = linear.use_onednn(model)  # its projections through oneDNN on a CPU (linear.py)
         self.tok = tok
         self.cfg = model.config
         p = next(model.parameters())

@@ -1,16 +1,17 @@
 """
 The inference linear layer on a CPU: x @ W.T through oneDNN's GEMM instead of torch's default one.
 
-The model's projections (mla.py's attention; model.py's dense and shared-expert MLPs, the MTP block's, the
-head) and the indexer's wq_b and wk in dsa.py are this file's Linear; the router, the routed experts
-(experts.py) and the indexer's fp32 head weights are not. On a GPU, in training, under autocast and under
-torch.compile it is exactly F.linear. On a CPU, with no gradient to take and fp32 data, it calls oneDNN
-(torch.ops.mkldnn._linear_pointwise, the op inductor's CPU backend uses for linears once it has frozen a
-model's weights), because torch's own fp32 matmul there calls MKL's sgemm, which was much slower on the
-machine this was measured on (an AMD EPYC, 2 cores, AVX-512; the figures: docs/design-notes.md). A decode
-step reads every weight once, so its time follows these rates. Nothing in the weights changes: they stay
-plain tensors, read by oneDNN as they are (no prepacking, so loading, saving and weight updates from RL see
-the same parameters). Small GEMMs and other dtypes take F.linear (see ONEDNN_MIN_MACS).
+The model's projections are plain nn.Linear; the serving engine gives them this file's forward (use_onednn:
+mla.py's attention, model.py's dense and shared-expert MLPs, the MTP block's, the head, the indexer's wq_b
+and wk; not the router, the routed experts or the indexer's fp32 head weights). On a GPU, in training,
+under autocast and under torch.compile it is exactly F.linear. On a CPU, with no gradient to take and fp32
+data, it calls oneDNN (torch.ops.mkldnn._linear_pointwise, the op inductor's CPU backend uses for linears
+once it has frozen a model's weights), because torch's own fp32 matmul there calls MKL's sgemm, which was
+much slower on the machine this was measured on (an AMD EPYC, 2 cores, AVX-512; the figures:
+docs/design-notes.md). A decode step reads every weight once, so its time follows these rates. Nothing in
+the weights changes: they stay plain tensors, read by oneDNN as they are (no prepacking, so loading, saving
+and weight updates from RL see the same parameters). Small GEMMs and other dtypes take F.linear (see
+ONEDNN_MIN_MACS).
 
 Reference and switch: F.linear is the reference; NANOGLM_KERNELS=torch (kernels.py's switch) takes it
 everywhere. Run: python -m pytest -q tests/test_linear.py (the two agree, and when each is taken).
@@ -77,3 +78,13 @@ class Linear(nn.Linear):
 
     def forward(self, x):
         return linear(x, self.weight, self.bias)
+
+
+def use_onednn(model):
+    """Give every nn.Linear of `model` (the projections, the indexer's wq_b and wk, the head) this file's
+    forward, in place: the class of each module becomes Linear, its parameters untouched. The serving
+    engine calls it (engine.Engine); a model built for training keeps F.linear. -> model."""
+    for m in model.modules():
+        if type(m) is not Linear and isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward:
+            m.__class__ = Linear
+    return model

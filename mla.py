@@ -27,15 +27,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import dsa
-import linear
 from dsa import upcast
 
 # -----------------------------------------------------------------------------
 # Linear, norms and RoPE
 
 
-class Linear(linear.Linear):
-    """nn.Linear (through linear.py's CPU inference path) minus its own initialisation: GLM5.init_weights
+class Linear(nn.Linear):
+    """nn.Linear minus its own initialisation: GLM5.init_weights
     initialises every weight in one place (and building the 744B model on the meta device stays fast)."""
 
     def reset_parameters(self):

@@ -231,6 +231,7 @@ def bench_dsa(contexts, rows, reps, dev, dtype):
     torch.manual_seed(0)
     with torch.device(dev):
         m = glm.GLM5(cfg).to(dtype).eval()
+    linear.use_onednn(m)  # the projections as the engine runs them (engine.Engine does the same)
     assert m.model.layers[0].self_attn.cfg is m.config  # dsa_mode is read from the shared config at each step
     bw, bw_low, bw_high = copy_bandwidth(dev)
     weight_bytes = sum(p.numel() * p.element_size() for n, p in m.named_parameters() if "embed" not in n)

@@ -98,9 +98,10 @@ def test_compiled_linear_is_f_linear():
 
 
 @needs_onednn
-def test_a_model_forward_takes_the_fast_path_and_matches_fp64(onednn_calls):
-    """A GLM-5 forward in fp32 with wide enough layers goes through oneDNN (counted) and equals the same
-    model in fp64 (every linear F.linear) to fp32 rounding."""
+def test_the_engines_swap_takes_the_fast_path_and_matches_fp64(onednn_calls):
+    """A model as built runs F.linear (no oneDNN call); after use_onednn (what engine.Engine does) its
+    forward in fp32 with wide enough layers goes through oneDNN (counted), keeps its parameters and names,
+    and equals the same model in fp64 (every linear F.linear) to fp32 rounding."""
     # 48 rows x 256 x 512: the lm_head clears ONEDNN_MIN_MACS; dense attention, so no near-tied index
     # scores can select differently in fp32 and fp64
     cfg = tiny_config(vocab_size=512, hidden_size=256, dsa_mode="dense")
@@ -108,8 +109,17 @@ def test_a_model_forward_takes_the_fast_path_and_matches_fp64(onednn_calls):
     m = model.GLM5(cfg).eval()
     ids = torch.randint(0, 512, (2, 24))
     with torch.no_grad():
+        plain = m(ids)
+    assert onednn_calls == []
+    names = {n: p.data_ptr() for n, p in m.named_parameters()}
+    assert linear.use_onednn(m) is m
+    assert {n: p.data_ptr() for n, p in m.named_parameters()} == names
+    assert isinstance(m.lm_head, linear.Linear)
+    assert isinstance(m.model.layers[0].self_attn.q_b_proj, linear.Linear)
+    with torch.no_grad():
         got = m(ids)
     assert any(onednn_calls)
     with torch.no_grad():
         want = m.double()(ids)
     torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(plain.double(), want, rtol=1e-4, atol=1e-4)
