@@ -537,7 +537,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description="async vs sync RL throughput; prefix-cache hits, router vs RR")
     ap.add_argument("--steps", type=int, default=8, help="trainer steps per mode in part 1")
     ap.add_argument("--ckpt", default=None, help="train.py ckpt.pt or a save_pretrained dir (default: fresh)")
-    ap.add_argument("--quick", action="store_true", help="a small run: 3 steps, short latencies, 2 groups")
+    ap.add_argument("--quick", action="store_true", help="a small run: 3 steps, 1 replica, short latencies, 2 groups")
     ap.add_argument("--parts", default="async,cache,step", help="comma list of: async, cache, step")
     ap.add_argument("--replicas", type=int, default=2, help="part 1: serve.py replica processes")
     ap.add_argument("--cache_replicas", default="2,4", help="part 2: replica counts, comma-separated")
@@ -554,8 +554,9 @@ def main(argv=None):
     ap.add_argument("--step_reps", type=int, default=2, help="part 3: timed steps of each kind")
     ap.add_argument("--json", default=None, help="also write the results to this file (part 2: summaries)")
     args = ap.parse_args(argv)
-    if args.quick:
+    if args.quick:  # part 1 on one replica: three fewer serve.py processes to start
         args.steps, args.groups, args.scale, args.cap, args.cache_replicas = 3, 2, 0.1, 2.0, "2"
+        args.replicas = 1
         args.step_groups, args.step_reps = 3, 1
     args.tau = args.ahead + 1 if args.tau is None else args.tau
     print("load:", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
