@@ -45,7 +45,7 @@ import serve
 from orchestrator import Orchestrator, parse_eval_tasks, parse_tasks
 from replicas import process_restarter, push_weights, start_replicas, stop_replicas, weight_version
 from rl import filter_buffer
-from train import pick_device, quiet, save_checkpoint
+from train import pick_device, print_settings_help, quiet, save_checkpoint, wants_help
 
 # -----------------------------------------------------------------------------
 # How the loop works
@@ -571,6 +571,15 @@ def ensure_toy_policy(here=None):
 
 
 def main(argv):
+    if wants_help(argv):
+        print_settings_help(
+            __file__,
+            __doc__,
+            LOOP_DEFAULTS,
+            "python rl_async.py [configs/NAME.py ...] [--key=value ...]",
+            "python rl_async.py configs/rl_toy.py --mode=sync --max_steps=5",
+        )
+        return
     cfg = resolve_config(argv)
     # torchrun sets RANK, LOCAL_RANK, WORLD_SIZE: one trainer process per device, rank 0 drives the loop
     world = int(os.environ.get("WORLD_SIZE", 1))

@@ -31,12 +31,14 @@ are not published: the defaults are placeholders.
 import ast
 import dataclasses
 import difflib
+import io
 import json
 import math
 import os
 import random
 import sys
 import time
+import tokenize
 from contextlib import nullcontext
 
 import numpy as np
@@ -146,6 +148,53 @@ def unknown_key(key, where, known):
     return SystemExit(
         f"{where}: unknown config key {key!r}; see the globals at the top of train.py and model.ModelConfig"
     )
+
+
+def setting_comments(path, keys):
+    """{key: the comment beside `key = value` in the source at path, or the comment lines just above it}
+    for the module-level settings `keys`: what --help prints beside each default."""
+    source = open(path, encoding="utf-8").read()
+    comments = {}  # line number -> comment text
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type == tokenize.COMMENT:
+            comments[tok.start[0]] = tok.string.lstrip("#").strip()
+    lines = source.splitlines()
+    out = {}
+    for node in ast.parse(source).body:
+        if not isinstance(node, ast.Assign) or len(node.targets) != 1:
+            continue
+        name = getattr(node.targets[0], "id", None)
+        if name not in keys or name in out:
+            continue
+        text = comments.get(node.lineno, "")
+        if not text:  # the comment block just above the assignment, if any
+            above = node.lineno - 1
+            block = []
+            while above >= 1 and lines[above - 1].lstrip().startswith("#"):
+                block.insert(0, comments.get(above, ""))
+                above -= 1
+            text = " ".join(c for c in block if c)
+        out[name] = text
+    return out
+
+
+def print_settings_help(path, doc, defaults, usage, example, more=""):
+    """The --help of a script whose settings are its module's globals: usage, its docstring's first
+    paragraph, every setting with its default and the comment beside it in the source, an example."""
+    print(f"usage: {usage}\n")
+    print(doc.strip().split("\n\n")[0] + "\n")
+    print("settings (--key=value; a config file's plain assignments set the same keys), default and meaning:")
+    comments = setting_comments(path, defaults)
+    width = max(len(f"--{k}={v!r}") for k, v in defaults.items())
+    for k, v in defaults.items():
+        print(f"  {f'--{k}={v!r}':<{width}}  {comments.get(k, '')}".rstrip())
+    if more:
+        print(f"\n{more}")
+    print(f"\nexample: {example}")
+
+
+def wants_help(argv):
+    return any(a in ("-h", "--help") for a in argv)
 
 
 def resolve_config(argv):
@@ -444,6 +493,17 @@ def plan_run(cfg, world, dev, ptdtype, log):
 
 
 def main():
+    if wants_help(sys.argv[1:]):
+        print_settings_help(
+            __file__,
+            __doc__,
+            DEFAULTS,
+            "python train.py [configs/NAME.py ...] [--key=value ...]",
+            "python train.py configs/toy.py --max_iters=50 --batch_size=4",
+            more="model settings: every field of model.ModelConfig (the config.json names, e.g. "
+            "--num_hidden_layers=2 --hidden_size=128), set in a config file or as --key=value",
+        )
+        return
     train_cfg, cfg = resolve_config(sys.argv[1:])
     globals().update(train_cfg)  # nanoGPT style: the settings are this module's globals from here on
     # ---- ranks: torchrun sets RANK, LOCAL_RANK, WORLD_SIZE (one process per device)

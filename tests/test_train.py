@@ -389,3 +389,26 @@ def test_grad_accum_and_cosine_run(tmp_path):
     )
     assert "step 2 | loss" in r.stdout and "sample (4 tokens)" in r.stdout
     assert sorted(step_losses(tmp_path / "metrics.jsonl")) == [1, 2]
+
+
+def test_help_lists_every_setting_with_its_default_and_meaning(monkeypatch, capsys):
+    """train.py --help and rl_async.py --help: usage, what the script does, every setting with its default
+    and the comment beside it in the source (or the block just above it), an example; exit 0, nothing run.
+    A bare --key without a value still gets its one sentence."""
+    import rl_async
+    import train
+
+    monkeypatch.setattr(sys, "argv", ["train.py", "--help"])
+    train.main()
+    out = capsys.readouterr().out
+    assert out.startswith("usage: python train.py") and "example: python train.py configs/toy.py" in out
+    assert "--max_iters=200" in out and "optimizer steps" in out
+    assert "--sft_extra=''" in out and "solved environment episodes" in out  # the comment block above it
+    assert all(f"--{k}=" in out for k in train.DEFAULTS) and "model.ModelConfig" in out
+    rl_async.main(["-h"])
+    out = capsys.readouterr().out
+    assert out.startswith("usage: python rl_async.py")
+    assert all(f"--{k}=" in out for k in rl_async.LOOP_DEFAULTS)
+    assert "staleness: drop a trajectory" in out
+    with pytest.raises(SystemExit, match="needs a value"):
+        train.resolve_config(["--max_iters"])
