@@ -306,21 +306,23 @@ def gather_rows(latent, idx):
     return latent.reshape(B * S, F).index_select(0, flat.flatten()).view(*idx.shape, F)
 
 
-def sparse_scores(q_abs, q_pe, latent, idx, valid, softmax_scale):
+def sparse_scores(q_abs, q_pe, latent, idx, valid, softmax_scale, gather=gather_rows):
     """Gather each query's selected latents and score them: -> scores (B, T, H, K) in fp32, -inf where
-    invalid, and the gathered rows sel (B, T, K, C + R)."""
+    invalid, and the gathered rows sel (B, T, K, C + R). gather: gather_rows, or the serving engine's
+    (paged_attention.gather_rows, which also reads a page pool shared by every row)."""
     C = q_abs.shape[-1]
-    sel = gather_rows(latent, idx)  # (B, T, K, C + R)
+    sel = gather(latent, idx)  # (B, T, K, C + R)
     c_sel, pe_sel = sel.split([C, sel.shape[-1] - C], dim=-1)
     scores = torch.einsum("bthc,btkc->bthk", q_abs, c_sel) + torch.einsum("bthr,btkr->bthk", q_pe, pe_sel)
     scores = (upcast(scores) * softmax_scale).masked_fill(~valid[:, :, None, :], float("-inf"))
     return scores, sel
 
 
-def sparse_mla_torch(q_abs, q_pe, latent, idx, valid, softmax_scale):
-    """The torch path of sparse_mla: a (B, T, K, C + R) gather, then softmax attention over it."""
+def sparse_mla_torch(q_abs, q_pe, latent, idx, valid, softmax_scale, gather=gather_rows):
+    """The torch path of sparse_mla: a (B, T, K, C + R) gather (see sparse_scores), then softmax attention
+    over it."""
     C = q_abs.shape[-1]
-    scores, sel = sparse_scores(q_abs, q_pe, latent, idx, valid, softmax_scale)  # (B, T, H, K)
+    scores, sel = sparse_scores(q_abs, q_pe, latent, idx, valid, softmax_scale, gather)  # (B, T, H, K)
     probs = scores.softmax(dim=-1).to(sel.dtype)  # (B, T, H, K)
     o_lat = torch.einsum("bthk,btkc->bthc", probs, sel[..., :C])
     return o_lat, scores.logsumexp(dim=-1)

@@ -237,11 +237,16 @@ class MLA(nn.Module):
         T), scored by the indexer over index_k (B, S, Ki) -> idx, valid (B, T, K); or None, None for dense
         attention (dsa_mode "dense", or no more keys than index_topk: top-k would keep them all)."""
         c = self.cfg
-        if c.dsa_mode != "sparse" or index_k.shape[1] <= c.index_topk:
+        if index_k is None or not self.selects(index_k.shape[1]):  # None: the indexer did not run (dense)
             return None, None
         if c.index_quant == "int8" and index_k.dtype != torch.int8:  # fresh keys: packed as a cache packs
             index_k = dsa.pack_index_keys(index_k)  # (B, S, Di + 4) int8
         return dsa.index_topk(q.index, q.index_w, index_k, last, c.index_topk, self.indexer.softmax_scale)
+
+    def selects(self, S):
+        """Whether DSA selects among S keys: the sparse mode and more keys than index_topk (with no more,
+        top-k would keep them all: sparse == dense)."""
+        return self.cfg.dsa_mode == "sparse" and S > self.cfg.index_topk
 
     def naive_attention(self, q_nope, q_pe, latent, mask, need_probs):
         """MHA form: expand the latents (B, S, C + R) into per-head keys and values with kv_b_proj and

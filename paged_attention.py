@@ -21,6 +21,7 @@ to twice the rows' own (a paged attention kernel would read each row's pages onl
 Python loop over the rows, taken on a CPU only (paged_cache.SPAN_MIN_BYTES).
 """
 
+import functools
 import math
 
 import torch
@@ -38,7 +39,7 @@ def attend(mla, q, latent_all, index_k_all, rows, last, work=None):
     reused buffers (decode steps). -> o (B, T, H, v) before o_proj."""
     S = latent_all.shape[1] if rows is None else rows.shape[1]
     visible = torch.arange(S, device=last.device) <= last[..., None]  # (B, T, S)
-    idx, valid = select(mla, q, index_k_all, rows, last, S, work)  # (B, T, K), or None: dense
+    idx, valid = select(mla, q, index_k_all, rows, last, work)  # (B, T, K), or None: dense
     w_uk, w_uv = mla.w_uk_uv()
     q_abs = torch.einsum("bthd,hdc->bthc", q.nope, w_uk)  # (B, T, H, C)
     o_lat = over_latents(mla, q_abs, q.pe, latent_all, rows, idx, valid, visible, work)
@@ -62,20 +63,20 @@ def attend_each_row(mla, q, latent_pool, index_pool, spans, positions, work=None
             lat_b, key_b = latent_pool[first:stop], index_pool[first:stop]  # views of the pool
         q_b = q._replace(nope=q.nope[one], pe=q.pe[one], index=q.index[one], index_w=q.index_w[one])
         visible = torch.arange(S_b, device=positions.device) <= positions[one, :, None]  # (1, T, S_b)
-        idx, valid = select(mla, q_b, key_b, rows_b, positions[one], S_b, work)
+        idx, valid = select(mla, q_b, key_b, rows_b, positions[one], work)
         o_lat.append(over_latents(mla, q_abs[one], q.pe[one], lat_b, rows_b, idx, valid, visible, work))
     return torch.einsum("bthc,hvc->bthv", torch.cat(o_lat), w_uv)  # (B, T, H, v)
 
 
-def select(mla, q, index_k_all, rows, last, S, work=None):
+def select(mla, q, index_k_all, rows, last, work=None):
     """mla.MLA.select over the keys (B, S, Ki) or, with rows (B, S) set, a pool's (N, Ki) read in place
     -> idx, valid (B, T, K) (positions, or pool rows when reading in place), or None, None: dense."""
-    c = mla.cfg
-    if c.dsa_mode != "sparse" or S <= c.index_topk:
-        return None, None
-    scale = mla.indexer.softmax_scale
     if rows is None:
-        return dsa.index_topk(q.index, q.index_w, index_k_all, last, c.index_topk, scale)
+        return mla.select(q, index_k_all, last)  # the model's own selection
+    if not mla.selects(rows.shape[1]):
+        return None, None
+    c = mla.cfg
+    scale = mla.indexer.softmax_scale
     return index_topk_in_pool(q.index, q.index_w, index_k_all, rows, last, c.index_topk, scale, work)
 
 
@@ -183,18 +184,14 @@ def sparse_mla(q_abs, q_pe, latent, idx, valid, softmax_scale, work=None):
     if kernels.use_triton(q_abs):
         return dsa.sparse_mla(q_abs, q_pe, latent, idx, valid, softmax_scale)[0]
     B, T, H, C = q_abs.shape
-    sel = gather_rows(latent, idx, work)  # (B, T, K, C + R)
-    if B * T == 1:
-        q = torch.cat([q_abs[0, 0], q_pe[0, 0]], dim=-1)  # (H, C + R)
-        scores = linear.linear(q, sel[0, 0]).view(1, 1, H, -1)  # (1, 1, H, K)
-    else:
-        c_sel, pe_sel = sel.split([C, sel.shape[-1] - C], dim=-1)
-        scores = torch.einsum("bthc,btkc->bthk", q_abs, c_sel) + torch.einsum("bthr,btkr->bthk", q_pe, pe_sel)
-    scores = (upcast(scores) * softmax_scale).masked_fill(~valid[:, :, None, :], float("-inf"))
-    probs = scores.softmax(dim=-1).to(sel.dtype)  # (B, T, H, K)
-    if B * T == 1:  # all C + R columns, then the first C
-        return linear.linear(probs[0, 0], sel[0, 0].t())[None, None, :, :C]  # (1, 1, H, C)
-    return torch.einsum("bthk,btkc->bthc", probs, sel[..., :C])
+    gather = functools.partial(gather_rows, work=work)
+    if B * T > 1:  # dsa's einsums over the rows this file's gather selects
+        return dsa.sparse_mla_torch(q_abs, q_pe, latent, idx, valid, softmax_scale, gather)[0]
+    sel = gather(latent, idx)  # (1, 1, K, C + R)
+    q = torch.cat([q_abs[0, 0], q_pe[0, 0]], dim=-1)  # (H, C + R)
+    scores = upcast(linear.linear(q, sel[0, 0])) * softmax_scale  # (H, K)
+    probs = scores.masked_fill(~valid[0, 0], float("-inf")).softmax(dim=-1).to(sel.dtype)  # (H, K)
+    return linear.linear(probs, sel[0, 0].t())[None, None, :, :C]  # all C + R columns, then C: (1, 1, H, C)
 
 
 def gather_rows(latent, idx, work=None):
