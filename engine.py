@@ -748,7 +748,9 @@ class Engine:
         P = self.cache.page_size
         V = self.cfg.vocab_size
         short = max(2, k // 2)
-        runs = [(short, k + P + 2 - short), (short - 1, 2), (k + P + 1, 2)]  # (prompt length, max_tokens)
+        # (prompt length, max_tokens); the second short length is the dynamic graph's (short - 1 was a
+        # one-token prefill at a small index_topk, which runs eager and built no graph)
+        runs = [(short, k + P + 2 - short), (short + 1, 2), (k + P + 1, 2)]
         for n in (1, 2):
             for length, max_tokens in runs:
                 sp = sampling.SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)

@@ -223,22 +223,56 @@ def inductor_or_skip():
         pytest.skip(f"torch.compile (inductor) is unavailable here: {type(e).__name__}: {e}")
 
 
+def compiled_model(hidden_size=48):
+    """The compiled tests' model, in fp32 as served: two layers (the dense one and one MoE), so each graph
+    inductor builds is small, as a fresh machine compiles every one of them in C++ (minutes for a few)."""
+    torch.manual_seed(0)
+    cfg = tiny_config(vocab_size=300, num_hidden_layers=2, hidden_size=hidden_size)
+    return randomize(model.GLM5(cfg), seed=1).eval()
+
+
+def run_both(m, tok, prompts, sps, **kw):
+    """The same requests through an eager and a compiled Engine(**kw), submitted at once; asserts the greedy
+    outputs are equal and the logprobs agree to fp32 rounding. -> the compiled forwards' (rows in the step,
+    read the pool in place)."""
+    out = {}
+    seen = set()
+    for compiled in (False, True):
+        e = engine.Engine(m, tok, page_size=4, compile=compiled, **kw)
+        point = e.cache.point
+
+        def spy(tables, length, ends=None, cache=e.cache, point=point):
+            point(tables, length, ends)
+            seen.add((tables.shape[0], cache.rows is not None))
+
+        if compiled:
+            e.cache.point = spy
+        out[compiled] = [e.submit(p, sp) for p, sp in zip(prompts, sps)]
+        while e.step():
+            pass
+        assert e.cache.available() == e.cache.num_pages
+    for a, b in zip(out[False], out[True]):
+        assert a.out == b.out
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=1e-4)
+    return seen
+
+
 @pytest.mark.slow
 def test_compiled_engine_warms_up_and_equals_eager(ckpt, one_thread, monkeypatch):
     """compile=True: the prefill and decode forwards through torch.compile, the decode batch padded to its
-    bucket with the padding on the scratch page, the history's length dynamic. In fp32, as served (the
-    decode graphs' experts by pairs, the prefill's by the grouped GEMM).
-    1. Engine.warm_up (serve.py --compile calls it at start-up) builds graphs (every one through
-       module_guards_filter, the prefill's too); afterwards a workload of one row and several, short and long
-       prompts, a prompt whose prefix is cached (a one-token prefill) and decoding past index_topk compiles
-       nothing more, and its outputs equal the eager engine's.
-       Its logprobs agree with the eager engine's to fp32 rounding.
-    2. Four requests of different lengths (batches of 4, then 3 rows run as 4, 2, 1) over a pool of just the
-       pages reserved (24), whose last steps read it in place (new graphs): greedy outputs equal the eager
-       engine's and logprobs agree to fp32 rounding."""
+    bucket with the padding on the scratch page, the history's length dynamic; the decode graphs' experts by
+    pairs, the prefill's by the grouped GEMM. Few graphs, as each costs a fresh machine ~20 s of C++:
+    1. Engine.warm_up (serve.py --compile calls it at start-up) of a one-row engine builds its graphs (every
+       one through module_guards_filter, the prefill's too); afterwards short and long prompts, a prompt
+       whose prefix is cached (a one-token prefill) and decoding past index_topk compile nothing more, and
+       the outputs equal the eager engine's (logprobs to fp32 rounding).
+    2. Two rows in one bucket over a pool of just the pages they reserve: the histories gathered, then read
+       in place once the pool is at most twice the longest (new graphs); equal to eager.
+    3. A second model of other shapes in the same process gets its own graphs (Engine.signature)."""
     inductor_or_skip()
-    m = engine.load_model(ckpt[0]).float()
-    assert engine.Engine(m, ckpt[1], num_pages=64, page_size=4).warm_up() == 0.0  # eager: nothing to do
+    m = compiled_model()
+    tok = ckpt[1]
+    assert engine.Engine(m, tok, num_pages=64, page_size=4).warm_up() == 0.0  # eager: nothing to do
     calls = []
     module_guards_filter = engine.module_guards_filter
 
@@ -250,48 +284,38 @@ def test_compiled_engine_warms_up_and_equals_eager(ckpt, one_thread, monkeypatch
     torch._dynamo.reset()  # no graph left from an earlier test: warm_up builds every one it needs
     graphs = torch._dynamo.utils.counters["stats"]
     first = graphs["unique_graphs"]
-    eng = engine.Engine(m, ckpt[1], num_pages=64, page_size=4, compile=True)
+    eng = engine.Engine(m, tok, num_pages=64, page_size=4, max_batch=1, compile=True)
     eng.warm_up()
     assert len(calls) == graphs["unique_graphs"] - first > 0
     assert eng.stats["decode_steps"] == 0 and eng.cache.available() == eng.cache.num_pages
     before = graphs["unique_graphs"]
-    eager = engine.Engine(m, ckpt[1], num_pages=64, page_size=4)
+    eager = engine.Engine(m, tok, num_pages=64, page_size=4, max_batch=1)
     # prompt 1 finds prompt 0's first 16 tokens cached and prefills its last one alone
     prompts = [list(range(30, 47)), list(range(30, 46)) + [99], PROMPTS[1], list(range(100, 103)), PROMPTS[3]]
     sps = [dataclasses.replace(GREEDY, max_tokens=n, logprobs=1) for n in (6, 3, 12, 2, 9)]
     outs = {}
     for name, e in (("eager", eager), ("compiled", eng)):
-        alone = e.generate(prompts[:1], sps[0])
-        rest = [e.submit(p, sp) for p, sp in zip(prompts[1:], sps[1:])]
-        while e.step():
-            pass
-        outs[name] = alone + rest
-        assert rest[0].n_cached == 16
+        outs[name] = [e.generate([p], sp)[0] for p, sp in zip(prompts, sps)]
+        assert outs[name][1].n_cached == 16
         assert (e.cache.rows is None) and e.cache.available() == e.cache.num_pages  # gathered histories
     assert graphs["unique_graphs"] == before
     for a, b in zip(outs["eager"], outs["compiled"]):
         assert a.out == b.out
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=1e-4)
 
-    sps = [dataclasses.replace(GREEDY, max_tokens=n, logprobs=1) for n in (16, 5, 9, 3)]
-    prompts = [list(range(30, 70)), PROMPTS[1], list(range(100, 110)), PROMPTS[3]]  # 14 + 2 + 5 + 3 pages
-    out = {}
-    for compiled in (False, True):
-        before = graphs["unique_graphs"]
-        e = engine.Engine(m, ckpt[1], num_pages=24, page_size=4, compile=compiled)
-        rs = [e.submit(p, sp) for p, sp in zip(prompts, sps)]
-        while e.step():
-            pass
-        out[compiled] = rs
-        if compiled:  # new graphs, read in place: a silent fall back to eager would pass the rest
-            assert graphs["unique_graphs"] > before
-        assert e.cache.available() == e.cache.num_pages
-        assert e.cache.rows is not None  # the last step read the pool in place
-    for a, b in zip(out[False], out[True]):
-        assert a.out == b.out
-        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=1e-4)
+    prompts = [list(range(30, 45)), list(range(100, 106))]  # 15 + 34 and 6 + 34 tokens: 13 + 10 pages
+    sps = [dataclasses.replace(GREEDY, max_tokens=34, logprobs=1) for _ in prompts]
+    before = graphs["unique_graphs"]
+    seen = run_both(m, tok, prompts, sps, num_pages=23, max_batch=2)
+    assert graphs["unique_graphs"] > before  # new graphs: a silent fall back to eager would pass the rest
+    assert {(2, False), (2, True)} <= seen  # both rows, gathered and then in place
     assert engine.decode_bucket(3, 32) == 4 and engine.decode_bucket(17, 24) == 24
     assert engine.decode_bucket(1, 32) == 1 and engine.decode_bucket(33, 32) == 33
+
+    before = graphs["unique_graphs"]
+    other = compiled_model(hidden_size=64)
+    run_both(other, tok, PROMPTS[:1], [dataclasses.replace(GREEDY, max_tokens=3, logprobs=1)], num_pages=16)
+    assert graphs["unique_graphs"] > before
 
 
 @pytest.mark.slow
@@ -323,22 +347,6 @@ def test_compiled_graphs_follow_the_config_and_the_weights(one_thread):
     with torch.no_grad():
         toy.w.copy_(torch.tensor([1.0, 2.0, 3.0]))
     assert f(x).tolist() == [3.0, 4.0, 5.0]
-
-
-@pytest.mark.slow
-def test_compiled_engines_of_two_model_shapes_in_one_process(one_thread):
-    """The compiled graphs belong to the engine's code, not to one Engine: a second model of other shapes
-    in the same process gets its own (Engine.signature), and both equal their eager engines."""
-    inductor_or_skip()
-    tok = Tokenizer(train_bpe(TEXT, 300 - len(CHAT_TOKENS)))
-    for hidden in (48, 64):
-        torch.manual_seed(0)
-        m = randomize(model.GLM5(tiny_config(vocab_size=300, hidden_size=hidden)), seed=1).eval()
-        outs = [
-            engine.Engine(m, tok, num_pages=32, page_size=4, compile=c).generate(PROMPTS[:2], GREEDY)
-            for c in (False, True)
-        ]
-        assert [r.out for r in outs[0]] == [r.out for r in outs[1]]
 
 
 @pytest.mark.parametrize("index_quant", ["none", "int8"])
