@@ -14,8 +14,8 @@ Honest limits: the reasoning in these episodes is the task generator's template,
 tasks of the held-out split (envs.split_of) are skipped, so RL's held-out reward is on tasks SFT never showed.
 """
 
+import argparse
 import json
-import sys
 
 import envs
 import rollout
@@ -80,18 +80,36 @@ def write_env_conversations(n, path, names=tuple(envs.ENVS), difficulties=(1, 2,
 
 
 if __name__ == "__main__":
-    if len(sys.argv) < 2 or not sys.argv[1].isdigit():
-        raise SystemExit("usage: python episodes.py N [PATH] [--env NAME[,NAME]] [--difficulty D]")
-    n = int(sys.argv[1])
-    rest = sys.argv[2:]
-    path = rest[0] if rest and not rest[0].startswith("--") else "data/sft_envs.jsonl"
-    names = tuple(envs.ENVS)
+    ap = argparse.ArgumentParser(
+        description="Solved environment episodes for SFT: each task's own solution played through the agent "
+        "loop, kept when it earns reward 1, written as JSONL conversations in GLM-5's chat format.",
+        epilog="example: python episodes.py 200 toy.jsonl --env math,search --difficulty 0",
+    )
+    ap.add_argument("n", metavar="N", type=int, help="solved conversations per environment")
+    ap.add_argument(
+        "path",
+        metavar="PATH",
+        nargs="?",
+        default="data/sft_envs.jsonl",
+        help="the JSONL file to write (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--env",
+        metavar="NAME[,NAME]",
+        default=",".join(envs.ENVS),
+        help="an environment, or several with commas (default: all, %(default)s)",
+    )
+    ap.add_argument(
+        "--difficulty", metavar="D", type=int, help="one level, 0 the toy level (default: levels 1, 2 and 3)"
+    )
+    args = ap.parse_args()
+    if args.n < 0:
+        ap.error(f"N is a count of conversations per environment: 0 or more, not {args.n}")
+    names = tuple(args.env.split(","))
+    unknown = [name for name in names if name not in envs.ENVS]
+    if unknown:
+        ap.error(f"--env {unknown[0]!r}: choose from {', '.join(envs.ENVS)}")
     difficulties = (1, 2, 3)
-    if "--env" in sys.argv:  # one name, or several with commas: --env math,search
-        names = tuple(sys.argv[sys.argv.index("--env") + 1].split(","))
-        unknown = [name for name in names if name not in envs.ENVS]
-        if unknown:
-            raise SystemExit(f"--env {unknown[0]!r}: choose from {', '.join(envs.ENVS)}")
-    if "--difficulty" in sys.argv:
-        difficulties = (int(sys.argv[sys.argv.index("--difficulty") + 1]),)
-    write_env_conversations(n, path, names, difficulties)
+    if args.difficulty is not None:
+        difficulties = (args.difficulty,)
+    write_env_conversations(args.n, args.path, names, difficulties)

@@ -26,6 +26,7 @@ as Triton kernels on a GPU; the experts run Triton kernels on a GPU only without
 range-checked on a CPU only (on a GPU the check would cost a host sync per step).
 """
 
+import argparse
 import dataclasses
 import difflib
 import json
@@ -597,10 +598,15 @@ def load_config_file(path):
 if __name__ == "__main__":
     import time
 
-    if len(sys.argv) != 2:
-        sys.exit("usage: python model.py configs/<name>.py")
-    cfg, rest = load_config_file(sys.argv[1])
-    print(f"config {sys.argv[1]}: {json.dumps(dataclasses.asdict(cfg))}")
+    ap = argparse.ArgumentParser(
+        description="GLM-5, the model: build a config's decoder stack, print its parameter table and, when "
+        "it fits in memory, run one forward and backward on a CPU-sized batch and sample a few tokens.",
+        epilog="example: python model.py configs/toy.py",
+    )
+    ap.add_argument("config", help="a model config file: configs/toy.py, configs/small.py, configs/full.py")
+    args = ap.parse_args()
+    cfg, rest = load_config_file(args.config)
+    print(f"config {args.config}: {json.dumps(dataclasses.asdict(cfg))}")
     if rest:
         print(f"keys for train.py, not the model: {', '.join(sorted(rest))}")
     t0 = time.time()

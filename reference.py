@@ -18,6 +18,8 @@ form and the gathered sparse kernels); every routed expert runs on every token; 
 layers of toy width, not the 744B model.
 """
 
+import argparse
+
 import torch
 import torch.nn.functional as F
 
@@ -172,6 +174,12 @@ if __name__ == "__main__":
     import model
     import weights
 
+    ap = argparse.ArgumentParser(
+        description="GLM-5's forward pass as plain float64 functions: build a tiny random GLM-5 "
+        "(configs/toy.py, index_topk 8) and print how far model.py's logits are from these.",
+        epilog="example: python reference.py",
+    )
+    ap.parse_args()
     torch.manual_seed(0)
     cfg, _ = model.load_config_file("configs/toy.py")
     cfg = dataclasses.replace(cfg, index_topk=8)  # below the 32 tokens: the top-k really drops keys

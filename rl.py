@@ -22,6 +22,7 @@ formula and bites only when a batch is split into several steps, not done here) 
 engines' mismatch alone; the MTP block keeps its SFT weights; the router balances live rollouts, not tokens.
 """
 
+import argparse
 import bisect
 import dataclasses
 import hashlib
@@ -782,4 +783,10 @@ def demo():
 
 
 if __name__ == "__main__":
+    ap = argparse.ArgumentParser(
+        description="GLM-5's RL post-training, the math of it: run each piece (group advantages, the "
+        "agentic and reasoning losses, distillation, the filters, the router) on made-up numbers.",
+        epilog="example: python rl.py",
+    )
+    ap.parse_args()
     demo()

@@ -24,7 +24,7 @@ template re-renders a bare </think>: the segment keeps what was sampled; the dis
 (the report does not publish it): the env's context_threshold.
 """
 
-import sys
+import argparse
 from dataclasses import dataclass
 
 import requests
@@ -396,7 +396,19 @@ def trajectories(gateway, episode, group):
 # python rollout.py
 
 if __name__ == "__main__":
-    vocab_size = int(sys.argv[1]) if len(sys.argv) > 1 else 4096
+    ap = argparse.ArgumentParser(
+        description="The agent loop: one episode per environment at difficulty 2, played by the task's own "
+        "solution (the oracle policy); prints each last segment with the model's tokens in ⟦ ⟧.",
+        epilog="example: python rollout.py",
+    )
+    ap.add_argument(
+        "vocab_size",
+        nargs="?",
+        type=int,
+        default=4096,
+        help="the tokenizer's vocab size (default: %(default)s)",
+    )
+    vocab_size = ap.parse_args().vocab_size
     tok = get_tokenizer(vocab_size, cache_dir="data")
     for name, cls in envs.ENVS.items():
         env = cls(difficulty=2)

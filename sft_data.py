@@ -20,12 +20,12 @@ from the task's own solution, not a model's own thought; a model trained on it l
 masking, not to reason.
 """
 
+import argparse
 import ast
 import hashlib
 import json
 import os
 import random
-import sys
 import textwrap
 import time
 
@@ -525,7 +525,19 @@ def show_examples(tok):
 
 
 if __name__ == "__main__":
-    vocab_size = int(sys.argv[1]) if len(sys.argv) > 1 else 4096
+    ap = argparse.ArgumentParser(
+        description="The SFT data: print one rendered conversation per thinking mode (trained spans in ⟦ ⟧), "
+        "then build the packed SFT set in data/sft and print its statistics and one batch's shape.",
+        epilog="example: python sft_data.py",
+    )
+    ap.add_argument(
+        "vocab_size",
+        nargs="?",
+        type=int,
+        default=4096,
+        help="the tokenizer's vocab size (default: %(default)s)",
+    )
+    vocab_size = ap.parse_args().vocab_size
     tok = get_tokenizer(vocab_size, cache_dir="data")
     show_examples(tok)
     meta = prepare_sft(vocab_size, out_dir="data/sft")

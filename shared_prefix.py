@@ -19,6 +19,8 @@ gradient is not bitwise reproducible run to run; the cache's recording flag is s
 cannot be recomputed under activation checkpointing as it is.
 """
 
+import argparse
+
 import torch
 
 import dsa
@@ -279,4 +281,10 @@ def demo():
 
 
 if __name__ == "__main__":
+    ap = argparse.ArgumentParser(
+        description="The shared-prefix forward of the RL trainer: on a random tiny GLM-5, compare the "
+        "logprobs and the time of one shared-prefix forward against one forward per sample.",
+        epilog="example: python shared_prefix.py",
+    )
+    ap.parse_args()
     demo()

@@ -21,6 +21,7 @@ from_tokenizer_json reads byte-level BPE files only (no normalizer, no Unigram o
 merge a pair that no listed merge names when two merges spell the same bytes (never seen in real files).
 """
 
+import argparse
 import base64
 import collections
 import hashlib
@@ -365,7 +366,19 @@ def get_tokenizer(vocab_size=4096, cache_dir="data", sample_bytes=4_000_000, tex
 
 
 if __name__ == "__main__":
-    vocab_size = int(sys.argv[1]) if len(sys.argv) > 1 else 4096
+    ap = argparse.ArgumentParser(
+        description="The tokenizer: train our byte-level BPE on a sample of the corpus, print its time, "
+        "compression and a round trip, then tokenize the corpus into data/stdlib with it (data.prepare).",
+        epilog="example: python tokenizer.py 8192",
+    )
+    ap.add_argument(
+        "vocab_size",
+        nargs="?",
+        type=int,
+        default=4096,
+        help="the tokenizer's vocab size (default: %(default)s)",
+    )
+    vocab_size = ap.parse_args().vocab_size
     sample = data.corpus_sample(4_000_000)
     n_bytes = sum(len(t.encode()) for t in sample)
     t0 = time.time()

@@ -21,6 +21,7 @@ visible); disk filling when not root (the work dir is then a plain directory: on
 applies, disk_capped is False); a crash of our own process before close() leaves the work dir mounted.
 """
 
+import argparse
 import ctypes
 import dataclasses
 import json
@@ -545,11 +546,23 @@ def report():
 
 
 if __name__ == "__main__":
+    ap = argparse.ArgumentParser(
+        usage="%(prog)s [-h] [COMMAND [ARG ...]]",
+        description="The sandbox of the RL environments: time its per-execution overhead, sandboxed vs "
+        "plain, or run one command in a fresh sandbox and print the Result. Needs a working bubblewrap.",
+        epilog="example: python envs/sandbox.py sh -c 'id; ls /'",
+    )
+    ap.add_argument(
+        "command",
+        nargs=argparse.REMAINDER,
+        help="a command and its arguments to run in a sandbox (default: none, time the overhead instead)",
+    )
+    command = ap.parse_args().command
     ok, why = probe()
     if not ok:
         sys.exit(f"sandboxed=False: {why}")
-    if len(sys.argv) > 1:
+    if command:
         with Sandbox() as sb:
-            print(sb.run(sys.argv[1:]))
+            print(sb.run(command))
         sys.exit()
     report()
