@@ -30,6 +30,7 @@ Split keeps the logits stable without it.
 
 import functools
 import math
+import sys
 
 import torch
 import torch.nn as nn
@@ -37,10 +38,13 @@ import torch.nn as nn
 from experts import Experts, Router
 from mla import MLA, RMSNorm
 
-try:
-    from torch.distributed.tensor import DTensor, distribute_tensor
-except ImportError:  # a torch built without distributed support
-    DTensor = distribute_tensor = None
+
+
+def is_dtensor(t):
+    """t is a DTensor (an FSDP2 shard). Asked without importing torch.distributed.tensor, which costs half a
+    second at every start of train.py: a DTensor exists only once something imported that module."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)  # the quintic's a, b, c
 UPDATE_RMS = 0.2
@@ -173,11 +177,11 @@ class Muon(torch.optim.Optimizer):
                 buf = state["momentum_buffer"]
                 buf.mul_(beta).add_(g)
                 u = g.add(buf, alpha=beta) if group["nesterov"] else buf
-                if DTensor is not None and isinstance(u, DTensor) and whole_matrices(u):
+                if is_dtensor(u) and whole_matrices(u):
                     w = p.to_local()  # this rank's experts, each matrix whole: no gather needed
                     w.mul_(1 - lr * wd)
                     w.add_(orth(u.to_local()).to(w.dtype), alpha=-lr)
-                elif DTensor is not None and isinstance(u, DTensor):
+                elif is_dtensor(u):
                     _apply_sharded(p, u, orth, lr, wd)
                 else:
                     p.mul_(1 - lr * wd)
@@ -204,6 +208,8 @@ def _apply_sharded(p, u, orth, lr, wd):
     """p, u: DTensors. Newton-Schulz needs the whole matrix, so every rank gathers it (all-gather),
     computes the same full update, and applies the slice its own shard holds. src_data_rank=None: each
     rank cuts its shard from its own copy, no second collective."""
+    from torch.distributed.tensor import distribute_tensor  # imported by whoever made the DTensors
+
     full = orth(u.full_tensor())  # (rows, cols) on every rank
     local = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local()
     w = p.to_local()  # aliases p's storage under no_grad

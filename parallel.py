@@ -33,11 +33,6 @@ import experts
 import model
 import muon
 
-try:
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import DTensor, Shard
-except ImportError:  # a torch built without distributed support: nothing here runs then
-    DeviceMesh = DTensor = Shard = None
 
 GiB = 2**30
 
@@ -225,6 +220,10 @@ class ExpertParallelMoE(model.MoE):
         self.n_local = moe.cfg.n_routed_experts // self.world
         self.first = rank * self.n_local
         self.gate, self.shared_experts, self.experts = moe.gate, moe.shared_experts, moe.experts
+        # imported here, not at the top: torch.distributed.tensor costs half a second at every start of train.py
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.tensor import DTensor, Shard
+
         dev = moe.experts.down_proj.device.type
         mesh = DeviceMesh.from_group(group or dist.group.WORLD, dev)
         for name in ("gate_up_proj", "down_proj"):  # keep this rank's slice of each stacked tensor
@@ -322,7 +321,7 @@ def clip_grad_norm_(params, max_norm):
     """torch.nn.utils.clip_grad_norm_ for a mix of FSDP DTensor shards and whole local experts: every
     gradient element lives on exactly one rank, so the squared norm is a sum of local sums over ranks."""
     grads = [p.grad for p in params if p.grad is not None]
-    local = [g.to_local() if isinstance(g, muon.DTensor) else g for g in grads]
+    local = [g.to_local() if muon.is_dtensor(g) else g for g in grads]
     sq = torch.stack([l.float().pow(2).sum() for l in local]).sum() if local else torch.zeros(())
     dist.all_reduce(sq)
     norm = sq.sqrt()
