@@ -406,3 +406,11 @@ def load_optimizer_states(m, optimizers, osds):
         set_optimizer_state_dict(
             m, o, {"state": state, "param_groups": groups}, options=StateDictOptions(**FULL, strict=False)
         )
+        # set_optimizer_state_dict first gives every parameter a state, by a step at lr 0 on zero gradients
+        # (torch's _init_optim_state): AdamW's step count would then start at 1 for a parameter that had no
+        # state (the MTP block while its loss weight is 0), and its first real update would differ from the
+        # uninterrupted run's. Such a parameter gets its state at its first gradient, as before the save.
+        for g in o.param_groups:
+            for name, p in zip(g["names"], g["params"]):
+                if name not in state:
+                    o.state.pop(p, None)
