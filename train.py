@@ -376,6 +376,11 @@ def lr_mult(step):
 
 
 def mtp_weight_at(step):
+    """The MTP loss weight at this step. In dsa_warmup the loss is the indexers' KL alone, so the weight only
+    decides whether the MTP block runs: it always does there, so that its indexer warms up with the others
+    (a recipe with the MTP loss off early, configs/toy.py's, would otherwise leave it cold)."""
+    if stage == "dsa_warmup":
+        return max(mtp_weight_early, mtp_weight_late, 0.1)
     return mtp_weight_early if step < mtp_switch_frac * max_iters else mtp_weight_late
 
 
