@@ -764,6 +764,14 @@ class Engine:
         self.stats = stats
         return time.perf_counter() - t0
 
+    def flush_prefix_cache(self):
+        """Forget every cached prefix between two steps (serve.py's POST /flush_cache, as a benchmark does
+        between runs). Pages running requests hold stay theirs. -> the number of pages the cache held."""
+        with self.step_lock:
+            n = len(self.cache.cached)
+            self.cache.flush()
+        return n
+
     def generate(self, prompts, sp):
         """Synchronous helper (tests, benchmarks): run all prompts to completion, return the Requests."""
         rs = [self.submit(p, dataclasses.replace(sp)) for p in prompts]

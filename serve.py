@@ -66,6 +66,7 @@ from tokenizer import Tokenizer, from_tokenizer_json, get_tokenizer
 #     POST       /v1/completions        {"prompt": text or token ids, ...}
 #     POST       /v1/chat/completions   {"messages": [...], "tools": [...], "chat_template_kwargs": {...}}
 #     POST       /update_weights_from_disk  {"model_path": a save_pretrained directory, "weight_version": N}
+#     POST       /flush_cache           {} : forget every cached prefix (SGLang's route; vLLM's reset_prefix_cache)
 #
 # - "stream": true -> server-sent events ending `data: [DONE]`. A stream's deltas concatenate to exactly the
 #   non-streamed reply (text, reasoning_content and content alike): both come from one parser
@@ -92,9 +93,10 @@ from tokenizer import Tokenizer, from_tokenizer_json, get_tokenizer
 
 GET_ROUTES = ("/health", "/v1/models")
 WEIGHTS_ROUTE = "/update_weights_from_disk"
+FLUSH_ROUTE = "/flush_cache"
 ROUTES = (
-    "/health, /v1/models, /v1/models/{id}, /v1/completions, /v1/chat/completions and "
-    "/update_weights_from_disk"
+    "/health, /v1/models, /v1/models/{id}, /v1/completions, /v1/chat/completions, "
+    "/update_weights_from_disk and /flush_cache"
 )
 
 
@@ -102,7 +104,7 @@ def allowed_methods(path):
     """The methods a path answers ("GET, HEAD" or "POST"), or None for a path that is no route."""
     if path in GET_ROUTES or path.startswith("/v1/models/"):
         return "GET, HEAD"
-    if path in FIELDS or path == WEIGHTS_ROUTE:
+    if path in FIELDS or path in (WEIGHTS_ROUTE, FLUSH_ROUTE):
         return "POST"
     return None
 
@@ -264,6 +266,8 @@ class Handler(BaseHTTPRequestHandler):
 
     def handle_post(self, path):
         s = self.server
+        if path == FLUSH_ROUTE:
+            return self.flush_cache()
         body = self.read_body()
         if path == WEIGHTS_ROUTE:
             return self.update_weights(body)
@@ -308,6 +312,16 @@ class Handler(BaseHTTPRequestHandler):
         finally:
             if r.finish is None:  # the client is gone: its request leaves the engine at the next step
                 r.aborted = True
+
+    def flush_cache(self):
+        """POST /flush_cache (SGLang's route; vLLM's is /reset_prefix_cache), with no body or {}: forget every
+        cached prefix, as a benchmark does between two runs on the same replicas."""
+        has_body = self.headers.get("Content-Length", "0").strip() != "0"
+        body = self.read_body() if has_body else {}
+        if body:
+            message = "/flush_cache takes no fields; send {} or no body"
+            raise APIError(400, message, sorted(body)[0], "unknown_field")
+        return self.send_json(200, {"status": "ok", "flushed_pages": self.server.engine.flush_prefix_cache()})
 
     def update_weights(self, body):
         """Load a new policy version (see the handler's comment: SGLang's route and field names). This thread

@@ -40,6 +40,7 @@ import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
+import requests
 import torch
 
 # run as python bench/bench_rl.py: the project's modules are in the folder above
@@ -365,9 +366,10 @@ def part_async(args, tok, work):
 # Part 2: prefix-cache hits, the DP-aware router vs round-robin
 #
 # The same rollouts (the same wrapper, no latency, two more turns, sampling seeded by rollout id and turn) are
-# played twice by rollout.rollout, 8 at a time, on fresh replicas with the prefix cache on (2, then 4 of
-# them): with rl_async's router (rl.route pins a rollout to one replica, as orchestrator.Orchestrator does)
-# and with round-robin (each request to the next replica, as a plain load balancer does). Hit rate = cached
+# played twice by rollout.rollout, 8 at a time, on the same replicas with the prefix cache on (2, then 4 of
+# them), each run from caches emptied by POST /flush_cache: with rl_async's router (rl.route pins a rollout to
+# one replica, as orchestrator.Orchestrator does) and with round-robin (each request to the next replica, as
+# a plain load balancer does). Hit rate = cached
 # prompt tokens / prompt tokens, summed over every request (each response's
 # usage.prompt_tokens_details.cached_tokens, which rollout.Gateway counts), also split into first turns (only
 # the shared system prompt and task can hit) and later turns, and the ratio of prefilled (missed) tokens, the
@@ -375,13 +377,15 @@ def part_async(args, tok, work):
 # well; the router's edge is the rollout's own growing context, and it grows with the number of replicas.
 
 
-def play(args, tok, gateway_class, n):
-    """args.groups groups of 4 rollouts of the same seeds, 8 at a time, on n fresh replicas with the prefix
-    cache on, each rollout's replica picked by rl_async's router (rl.route: pinned for the whole rollout,
-    bounded loads) -> the Tally of every request and the failed rollouts. RoundRobinGateway then sends each
-    request elsewhere, so both runs share every line but the replica a request goes to."""
+def play(args, tok, gateway_class, urls):
+    """args.groups groups of 4 rollouts of the same seeds, 8 at a time, on the replicas at urls with their
+    prefix caches emptied first (POST /flush_cache), each rollout's replica picked by rl_async's router
+    (rl.route: pinned for the whole rollout, bounded loads) -> the Tally of every request and the failed
+    rollouts. RoundRobinGateway then sends each request elsewhere, so both runs share every line but the
+    replica a request goes to."""
     tally = Tally()
-    urls, procs = replicas.start_replicas(args.ckpt, n)
+    for url in urls:
+        requests.post(url + "/flush_cache", timeout=60).raise_for_status()
     LongTailSearch.stop = threading.Event()
     LongTailSearch.resets.clear()
     ring = rl.build_ring(urls)
@@ -406,8 +410,17 @@ def play(args, tok, gateway_class, n):
             failed = sum(1 for j in jobs if j.exception() is not None or j.result())
     finally:
         LongTailSearch.stop.set()
-        replicas.stop_replicas(procs)
     return tally, failed
+
+
+def print_tally(n, name, tally, failed):
+    turns = sorted(tally.prompt)
+    prompt, sent = sum(tally.prompt.values()), sum(tally.requests.values())
+    print(
+        f"{n} replicas, {name:>11}: hit rate {tally.rate(turns):.1%} of {prompt} prompt tokens in "
+        f"{sent} requests; first turns {tally.rate([1]):.1%}, later turns "
+        f"{tally.rate(turns[1:]):.1%}; {failed} failed rollouts"
+    )
 
 
 def part_cache(args, tok):
@@ -420,16 +433,13 @@ def part_cache(args, tok):
     out = {}
     for n in counts:
         out[n] = {}
-        for name, cls in (("router", BenchGateway), ("round-robin", RoundRobinGateway)):
-            tally, failed = play(args, tok, cls, n)
-            out[n][name] = tally
-            turns = sorted(tally.prompt)
-            prompt, requests = sum(tally.prompt.values()), sum(tally.requests.values())
-            print(
-                f"{n} replicas, {name:>11}: hit rate {tally.rate(turns):.1%} of {prompt} prompt tokens in "
-                f"{requests} requests; first turns {tally.rate([1]):.1%}, later turns "
-                f"{tally.rate(turns[1:]):.1%}; {failed} failed rollouts"
-            )
+        urls, procs = replicas.start_replicas(args.ckpt, n)  # both runs on them, each from empty caches
+        try:
+            for name, cls in (("router", BenchGateway), ("round-robin", RoundRobinGateway)):
+                out[n][name], failed = play(args, tok, cls, urls)
+                print_tally(n, name, out[n][name], failed)
+        finally:
+            replicas.stop_replicas(procs)
         hit = {name: t.rate(sorted(t.prompt)) for name, t in out[n].items()}
         cached = hit["router"] / max(hit["round-robin"], 1e-9)
         prefilled = (1 - hit["router"]) / max(1 - hit["round-robin"], 1e-9)

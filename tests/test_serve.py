@@ -87,6 +87,27 @@ def test_http_api(server, ckpt):
     assert len(c["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 2
 
 
+def test_flush_cache_empties_the_prefix_cache(server, server_engine):
+    """POST /flush_cache (SGLang's route), with no body or {}: the next request finds no cached prefix; a
+    field in the body is a 400 naming it, and changes nothing."""
+    body = {"prompt": list(range(40, 90)), "max_tokens": 2, "temperature": 0, "ignore_eos": True}
+
+    def cached():
+        r = requests.post(server + "/v1/completions", json=body).json()
+        return r["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    cached()
+    assert cached() > 0
+    r = requests.post(server + "/flush_cache")  # no body at all
+    assert r.status_code == 200 and r.json()["status"] == "ok" and r.json()["flushed_pages"] > 0
+    assert cached() == 0
+    assert cached() > 0
+    bad = requests.post(server + "/flush_cache", json={"everything": True})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "everything"
+    assert cached() > 0
+    assert requests.post(server + "/flush_cache", json={}).status_code == 200 and cached() == 0
+
+
 def test_http_streaming(server):
     body = {
         "prompt": [100, 101, 102, 103],
@@ -504,6 +525,7 @@ ROUTE_METHODS = {
     "/v1/completions": ("POST",),
     "/v1/chat/completions": ("POST",),
     "/update_weights_from_disk": ("POST",),
+    "/flush_cache": ("POST",),
     "/nope": (),
 }
 
@@ -513,7 +535,7 @@ ROUTE_METHODS = {
 )
 def test_http_every_method_on_every_route(server, method):
     """JSON for each: 200 (GET and HEAD on the GET routes, HEAD without a body), 400 for an empty POST
-    body, 405 with Allow for a known route, 404 for an unknown one, 501 for a method HTTP does not define;
+    body ({} is a whole /flush_cache request: 200), 405 with Allow for a known route, 404 for an unknown one, 501 for a method HTTP does not define;
     a query string is ignored."""
     host, port = server[len("http://") :].split(":")
     for path, allowed in ROUTE_METHODS.items():
@@ -525,7 +547,7 @@ def test_http_every_method_on_every_route(server, method):
         if method == "BREW":
             want = 501
         elif method in allowed:
-            want = 400 if method == "POST" else 200
+            want = 400 if method == "POST" and path != "/flush_cache" else 200
         else:
             want = 405 if allowed else 404
         assert r.status == want, (method, path, data)
