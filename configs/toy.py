@@ -29,3 +29,15 @@ block_size = 256  # training sequence length (train.py)
 # <|endoftext|>, <|user|>, <|observation|> of our 4,096-token BPE (tokenizer.py: 4,079 merged ids, then the
 # special tokens), where GLM-5's published config.json has 154820, 154827, 154829 for the same three tokens
 eos_token_id = [4079, 4083, 4085]
+
+# The main job's pretraining recipe (python train.py configs/toy.py): the best sample and val loss found for
+# about 5 minutes on a 2-core CPU (docs/2026-11-29-first-ten-minutes.md has the runs). The MTP loss is off for
+# the first 85% of the steps: on a CPU its block and three extra passes double a step's time here (train.py's
+# default is GLM-4.5's 0.3 then 0.1). Later stages and the workshop run pass their own steps and rates.
+max_iters = 800
+lr_muon = 0.01
+lr_adamw = 0.006
+mtp_weight_early = 0.0
+mtp_switch_frac = 0.85
+eval_interval = 100
+sample_tokens = 200
