@@ -224,10 +224,11 @@ def inductor_or_skip():
 
 
 def compiled_model(hidden_size=48):
-    """The compiled tests' model, in fp32 as served: two layers (the dense one and one MoE), so each graph
-    inductor builds is small, as a fresh machine compiles every one of them in C++ (minutes for a few)."""
+    """The compiled tests' model, in fp32 as served: one layer, an MoE one (MLA, DSA's indexer, the routed
+    and shared experts), so each graph inductor builds is small, as a fresh machine compiles every one of them
+    in C++ (about 15 s each here)."""
     torch.manual_seed(0)
-    cfg = tiny_config(vocab_size=300, num_hidden_layers=2, hidden_size=hidden_size)
+    cfg = tiny_config(vocab_size=300, num_hidden_layers=1, first_k_dense_replace=0, hidden_size=hidden_size)
     return randomize(model.GLM5(cfg), seed=1).eval()
 
 
@@ -261,14 +262,14 @@ def run_both(m, tok, prompts, sps, **kw):
 def test_compiled_engine_warms_up_and_equals_eager(ckpt, one_thread, monkeypatch):
     """compile=True: the prefill and decode forwards through torch.compile, the decode batch padded to its
     bucket with the padding on the scratch page, the history's length dynamic; the decode graphs' experts by
-    pairs, the prefill's by the grouped GEMM. Few graphs, as each costs a fresh machine ~20 s of C++:
+    pairs, the prefill's by the grouped GEMM. Few graphs, as each costs a fresh machine ~15 s of C++:
     1. Engine.warm_up (serve.py --compile calls it at start-up) of a one-row engine builds its graphs (every
        one through module_guards_filter, the prefill's too); afterwards short and long prompts, a prompt
        whose prefix is cached (a one-token prefill) and decoding past index_topk compile nothing more, and
        the outputs equal the eager engine's (logprobs to fp32 rounding).
     2. Two rows in one bucket over a pool of just the pages they reserve: the histories gathered, then read
        in place once the pool is at most twice the longest (new graphs); equal to eager.
-    3. A second model of other shapes in the same process gets its own graphs (Engine.signature)."""
+    3. A second model of other shapes in the same process gets its own graph (Engine.signature)."""
     inductor_or_skip()
     m = compiled_model()
     tok = ckpt[1]
@@ -314,7 +315,8 @@ def test_compiled_engine_warms_up_and_equals_eager(ckpt, one_thread, monkeypatch
 
     before = graphs["unique_graphs"]
     other = compiled_model(hidden_size=64)
-    run_both(other, tok, PROMPTS[:1], [dataclasses.replace(GREEDY, max_tokens=3, logprobs=1)], num_pages=16)
+    # one token: the prefill's graph alone (each graph costs a fresh machine ~15 s)
+    run_both(other, tok, PROMPTS[:1], [dataclasses.replace(GREEDY, max_tokens=1, logprobs=1)], num_pages=16)
     assert graphs["unique_graphs"] > before
 
 
