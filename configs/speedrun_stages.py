@@ -46,6 +46,8 @@ STAGES = {
     "dsa_warmup": dict(
         stage="dsa_warmup",
         max_iters=60,
+        lr_muon=0.02,  # train.py's defaults, written out: configs/toy.py's main-job recipe sets others
+        lr_adamw=3e-3,
         warmup_iters=5,
         mtp_weight_early=0.1,  # the MTP block's indexer warms up too (its KL joins the loss)
         mtp_weight_late=0.1,
@@ -70,6 +72,7 @@ STAGES = {
         max_iters=200,
         warmup_iters=10,
         lr_muon=0.005,  # masked val loss 1.58 against 1.87 at train.py's 0.02 (from the same sparse model)
+        lr_adamw=3e-3,
         mtp_weight_early=0.0,
         mtp_weight_late=0.1,
         mtp_switch_frac=0.7,

@@ -100,7 +100,9 @@ PRESETS = {
         # solves few toy tasks; 150 steps on the episodes (Muon 0.005, as the mixed SFT) took held-out
         # general:0 to 0.63-0.72 and terminal:0 to 0.50, 4 min on 2 cores
         "sft_episodes": dict(
-            max_iters=150, block_size=512, lr_muon=0.005, eval_interval=150, log_interval=25, sample_tokens=0
+            max_iters=150, block_size=512, lr_muon=0.005, eval_interval=150, log_interval=25, sample_tokens=0,
+            # train.py's defaults, written out: configs/toy.py's main-job recipe sets others
+            lr_adamw=3e-3, mtp_weight_early=0.3, mtp_weight_late=0.1, mtp_switch_frac=0.5,
         ),
         # configs/rl_toy.py as it is: 50 steps of general:0, search:0 and terminal:0, held-out reward every
         # 10 (README: the RL section has this run's curve)
