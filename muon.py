@@ -38,6 +38,8 @@ import torch.nn as nn
 from experts import Experts, Router
 from mla import MLA, RMSNorm
 
+NS_COEFFS = (3.4445, -4.7750, 2.0315)  # the quintic's a, b, c
+UPDATE_RMS = 0.2
 
 
 def is_dtensor(t):
@@ -46,8 +48,6 @@ def is_dtensor(t):
     module = sys.modules.get("torch.distributed.tensor")
     return module is not None and isinstance(t, module.DTensor)
 
-NS_COEFFS = (3.4445, -4.7750, 2.0315)  # the quintic's a, b, c
-UPDATE_RMS = 0.2
 
 # -----------------------------------------------------------------------------
 # Newton-Schulz: an approximate U V^T of G = U S V^T without an SVD, matmuls only

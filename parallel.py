@@ -220,7 +220,7 @@ class ExpertParallelMoE(model.MoE):
         self.n_local = moe.cfg.n_routed_experts // self.world
         self.first = rank * self.n_local
         self.gate, self.shared_experts, self.experts = moe.gate, moe.shared_experts, moe.experts
-        # imported here, not at the top: torch.distributed.tensor costs half a second at every start of train.py
+        # imported here, not at the top: torch.distributed.tensor costs every start of train.py half a second
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.tensor import DTensor, Shard
 

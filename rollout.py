@@ -31,7 +31,7 @@ import requests
 
 import chat
 import envs
-from tokenizer import get_tokenizer
+from tokenizer import get_tokenizer, vocab_size_argument
 
 # -----------------------------------------------------------------------------
 # The agent loop: template in, ids out, tool calls run, a loss mask per token
@@ -401,14 +401,7 @@ if __name__ == "__main__":
         "solution (the oracle policy); prints each last segment with the model's tokens in ⟦ ⟧.",
         epilog="example: python rollout.py",
     )
-    ap.add_argument(
-        "vocab_size",
-        nargs="?",
-        type=int,
-        default=4096,
-        help="the tokenizer's vocab size (default: %(default)s)",
-    )
-    vocab_size = ap.parse_args().vocab_size
+    vocab_size = vocab_size_argument(ap).parse_args().vocab_size
     tok = get_tokenizer(vocab_size, cache_dir="data")
     for name, cls in envs.ENVS.items():
         env = cls(difficulty=2)

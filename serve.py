@@ -66,7 +66,7 @@ from tokenizer import Tokenizer, from_tokenizer_json, get_tokenizer
 #     POST       /v1/completions        {"prompt": text or token ids, ...}
 #     POST       /v1/chat/completions   {"messages": [...], "tools": [...], "chat_template_kwargs": {...}}
 #     POST       /update_weights_from_disk  {"model_path": a save_pretrained directory, "weight_version": N}
-#     POST       /flush_cache           {} : forget every cached prefix (SGLang's route; vLLM's reset_prefix_cache)
+#     POST       /flush_cache           no body or {}: forget every cached prefix (SGLang's route)
 #
 # - "stream": true -> server-sent events ending `data: [DONE]`. A stream's deltas concatenate to exactly the
 #   non-streamed reply (text, reasoning_content and content alike): both come from one parser

@@ -35,7 +35,7 @@ import torch
 import chat
 import data
 from chat import render, render_text
-from tokenizer import get_tokenizer
+from tokenizer import get_tokenizer, vocab_size_argument
 
 # -----------------------------------------------------------------------------
 # Facts about a function, read off its code with ast
@@ -530,14 +530,7 @@ if __name__ == "__main__":
         "then build the packed SFT set in data/sft and print its statistics and one batch's shape.",
         epilog="example: python sft_data.py",
     )
-    ap.add_argument(
-        "vocab_size",
-        nargs="?",
-        type=int,
-        default=4096,
-        help="the tokenizer's vocab size (default: %(default)s)",
-    )
-    vocab_size = ap.parse_args().vocab_size
+    vocab_size = vocab_size_argument(ap).parse_args().vocab_size
     tok = get_tokenizer(vocab_size, cache_dir="data")
     show_examples(tok)
     meta = prepare_sft(vocab_size, out_dir="data/sft")

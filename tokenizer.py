@@ -335,6 +335,14 @@ def from_tokenizer_json(path):
 # re-runs load it (and retrain when the special tokens changed).
 
 
+def vocab_size_argument(ap):
+    """The optional VOCAB_SIZE argument of the scripts that build or read the project tokenizer
+    (tokenizer.py, sft_data.py, rollout.py) -> ap."""
+    what = "the tokenizer's vocab size (default: %(default)s)"
+    ap.add_argument("vocab_size", nargs="?", type=int, default=4096, help=what)
+    return ap
+
+
 def get_tokenizer(vocab_size=4096, cache_dir="data", sample_bytes=4_000_000, text=None, verbose=True):
     """The project tokenizer with `vocab_size` ids in total (merges + specials), trained once and cached.
 
@@ -371,14 +379,7 @@ if __name__ == "__main__":
         "compression and a round trip, then tokenize the corpus into data/stdlib with it (data.prepare).",
         epilog="example: python tokenizer.py 8192",
     )
-    ap.add_argument(
-        "vocab_size",
-        nargs="?",
-        type=int,
-        default=4096,
-        help="the tokenizer's vocab size (default: %(default)s)",
-    )
-    vocab_size = ap.parse_args().vocab_size
+    vocab_size = vocab_size_argument(ap).parse_args().vocab_size
     sample = data.corpus_sample(4_000_000)
     n_bytes = sum(len(t.encode()) for t in sample)
     t0 = time.time()

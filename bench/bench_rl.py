@@ -547,7 +547,9 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description="async vs sync RL throughput; prefix-cache hits, router vs RR")
     ap.add_argument("--steps", type=int, default=8, help="trainer steps per mode in part 1")
     ap.add_argument("--ckpt", default=None, help="train.py ckpt.pt or a save_pretrained dir (default: fresh)")
-    ap.add_argument("--quick", action="store_true", help="a small run: 3 steps, 1 replica, short latencies, 2 groups")
+    ap.add_argument(
+        "--quick", action="store_true", help="a small run: 3 steps, 1 replica, short latencies, 2 groups"
+    )
     ap.add_argument("--parts", default="async,cache,step", help="comma list of: async, cache, step")
     ap.add_argument("--replicas", type=int, default=2, help="part 1: serve.py replica processes")
     ap.add_argument("--cache_replicas", default="2,4", help="part 2: replica counts, comma-separated")

@@ -535,8 +535,8 @@ ROUTE_METHODS = {
 )
 def test_http_every_method_on_every_route(server, method):
     """JSON for each: 200 (GET and HEAD on the GET routes, HEAD without a body), 400 for an empty POST
-    body ({} is a whole /flush_cache request: 200), 405 with Allow for a known route, 404 for an unknown one, 501 for a method HTTP does not define;
-    a query string is ignored."""
+    body ({} is a whole /flush_cache request: 200), 405 with Allow for a known route, 404 for an unknown one,
+    501 for a method HTTP does not define; a query string is ignored."""
     host, port = server[len("http://") :].split(":")
     for path, allowed in ROUTE_METHODS.items():
         c = http.client.HTTPConnection(host, int(port), timeout=30)
